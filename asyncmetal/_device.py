@@ -69,7 +69,7 @@ from ._errors import (
     check_bool,
     warn,
 )
-from ._interrupts import ctrl_c_discards
+from ._interrupts import ctrl_c_discards, in_turn, until_uninterrupted
 from ._pool import CompilePool, check_timeout, compiler_identity, default_pool
 from ._program import Program
 from ._queue import (
@@ -404,10 +404,13 @@ class Device(Singular):
         self._state.closed = True
         state_closed(self._state)
         # Its callers' waits on compiles in the pool end: see DeviceState.close_waits.
+        # Each is ended before it is taken off (a wait ended twice is ended): an
+        # interrupt as one is taken off leaves none unended (the close marks it again).
         waits = self._state.close_waits
         while waits:
-            with contextlib.suppress(KeyError):  # (its waiter took it off meanwhile)
-                end_waits(waits.pop())
+            for wait in list(waits):
+                end_waits(wait)
+                waits.discard(wait)  # (its waiter may have taken it off meanwhile)
 
     @property
     def kind(self) -> str:
@@ -1611,52 +1614,86 @@ class Device(Singular):
         """Close every queue natively, then the allocator and the backend. A queue in
         ``blocked`` (or every queue, with ``abandon``) is stopped where it is, inside a
         device-side wait; the others have finished everything submitted."""
-        self._mark_closed()
         # Each step runs whatever an earlier one raised (a queue's native close that
         # fails still leaves the others, the memory and the backend to release); the
-        # first error is raised once all of them ran. So is a KeyboardInterrupt in one
-        # (a Ctrl-C as the close runs at exit, on the main thread), before any error:
-        # raised at once, it would leave the memory left to queues allocated and the
-        # device noted open for good (its close does not run again). One in the joins
-        # is kept so too, and they are waited out again from the start (each part may
-        # be done again): the threads joined end on their own, and the steps must not
-        # run beside them.
+        # first error is raised once all of them ran. So is a KeyboardInterrupt (a
+        # Ctrl-C as the close runs at exit, on the main thread), before any error:
+        # raised at once, it would leave the device marked closed with the rest undone
+        # -- its memory allocated, its queues and backend unreleased, the device noted
+        # open for good (its close does not run again). Wherever one lands, in a step or
+        # between two, the step it landed in (or the one before it, not yet taken off
+        # the list) runs again, and those after it run: each step may run again. The
+        # joins first: the threads joined end on their own, and the steps must not run
+        # beside them. (Made with no call, nothing lands before the loop is entered:
+        # one as it is, with nothing of the close run, is the caller's.)
         errors: list[BaseException] = []
-        while True:
-            try:
-                self._join_closers()
-                break
-            except KeyboardInterrupt as exc:
-                errors.append(exc)
-        kept = set(self._queues)
-        for queue in [*self._queues, *(q for q in list(self._idle) if q not in kept)]:
-            _attempt(errors, close_native, queue, abandon or queue in blocked)
-        for native, _ in self._take_dropped():  # collected with nothing in flight
-            _attempt(errors, native.close, abandon)
-        self._natives.clear()  # (each closed with its queue)
-        self._state.stopped = True  # (other devices' closes wait for these to stop)
-        # Its memory is freed natively, but for blocks that commands its queues abandoned
-        # may still use (another device's queues', or its own: left to them, see
-        # Allocator._uses_left) -- a cuda stream stopped inside a device wait runs on
-        # once the backend's close raises the word it waits on, and a free does not
-        # wait for it.
-        _attempt(errors, self._allocator.close, _completable)
-        _attempt(errors, self._backend.close)
-        # Nothing of the device runs now (a close that failed leaves nothing to wait for
-        # either): the memory left to its queues is freed -- its own, and what other
-        # closes left to them whose uses passed (those of other devices' queues that may
-        # still run stay, see free_left_blocks) -- and what its queues used of other
-        # libraries' memory is let go of.
-        self._state.ran_out = True
-        _attempt(errors, free_left_blocks)
-        _attempt(errors, let_lingering_go)
-        state_released(self._state)
-        _note_open(self, False)
-        for error in errors:
-            if isinstance(error, KeyboardInterrupt):
-                raise error
+        closed: list[Queue] = []
+        steps: list[tuple[Any, ...]] = [
+            (self._mark_closed,),
+            (self._join_closers,),
+            (self._close_queues, abandon, blocked, closed, errors),
+            (self._close_dropped, abandon, errors),
+            (self._stopped,),
+            # Its memory is freed natively, but for blocks that commands its queues
+            # abandoned may still use (another device's queues', or its own: left to
+            # them, see Allocator._uses_left) -- a cuda stream stopped inside a device
+            # wait runs on once the backend's close raises the word it waits on, and a
+            # free does not wait for it.
+            (self._allocator.close, _completable),
+            (self._backend.close,),
+            # Nothing of the device runs now (a close that failed leaves nothing to wait
+            # for either): the memory left to its queues is freed -- its own, and what
+            # other closes left to them whose uses passed (those of other devices'
+            # queues that may still run stay, see free_left_blocks) -- and what its
+            # queues used of other libraries' memory is let go of.
+            (self._ran_out,),
+            (free_left_blocks,),
+            (let_lingering_go,),
+            (state_released, self._state),
+            (_note_open, self, False),
+        ]
+        interrupt = until_uninterrupted(in_turn, steps, errors)
+        if interrupt is not None:
+            raise interrupt
         if errors:
             raise errors[0]
+
+    def _close_queues(
+        self,
+        abandon: bool,
+        blocked: Collection[Queue],
+        closed: list[Queue],
+        errors: list[BaseException],
+    ) -> None:
+        """(A step of _close_native.) Close each queue natively, its idle ones too, but
+        those in ``closed``: each is put there once closed (one closed again, by a step
+        run again, is closed already: its close does nothing)."""
+        kept = set(self._queues)
+        for queue in [*self._queues, *(q for q in list(self._idle) if q not in kept)]:
+            if queue not in closed:
+                in_turn([(close_native, queue, abandon or queue in blocked)], errors)
+                closed.append(queue)
+
+    def _close_dropped(self, abandon: bool, errors: list[BaseException]) -> None:
+        """(A step of _close_native.) Close the native queues of the queues collected
+        (with nothing in flight), each taken off the records once closed: one taken off
+        first, an interrupt before its close would leave it unclosed for good."""
+        for number in self._dropped_queues[:]:  # (finalizers append meanwhile)
+            recorded = self._natives.get(number)
+            if recorded is not None:
+                in_turn([(recorded[0].close, abandon)], errors)
+            self._take_dropped([number])
+
+    def _stopped(self) -> None:
+        """(A step of _close_native.) Its queues are closed: other devices' closes wait
+        for them to stop."""
+        self._natives.clear()  # (each closed with its queue)
+        self._state.stopped = True
+
+    def _ran_out(self) -> None:
+        """(A step of _close_native.) Its backend closed: what its stopped queues'
+        streams still ran has run out."""
+        self._state.ran_out = True
 
     async def __aenter__(self) -> Device:
         return self
@@ -1751,15 +1788,6 @@ def _reap(device_ref: weakref.ref[Device], inbox: SimpleQueue[int]) -> None:
             continue
         wait = REAP_S if let_go_of else min(2 * wait, REAP_MAX_S)
         due = time.monotonic() + min(max(wait, REAP_DUTY * took), REAP_LONGEST_S)
-
-
-def _attempt(errors: list[BaseException], fn: Callable[..., object], *args: Any) -> None:
-    """``fn(*args)``; an error it raises goes to ``errors``, and so does a
-    KeyboardInterrupt (see Device._close_native)."""
-    try:
-        fn(*args)
-    except (Exception, KeyboardInterrupt) as exc:
-        errors.append(exc)
 
 
 class _UnloadableError(Exception):

@@ -124,3 +124,41 @@ def _leave(key: int) -> None:
         finally:
             if not _closes:
                 _previous = None  # (also where the program replaced ours meanwhile)
+
+
+def until_uninterrupted(fn: Callable[..., object], *args: Any) -> KeyboardInterrupt | None:
+    """``fn(*args)``, called again each time a KeyboardInterrupt ends it, until a call
+    returns: the first such interrupt (for the caller to raise once done), or None.
+    ``fn`` must be safe to call again wherever one lands (a Ctrl-C as a close runs at
+    exit, on the main thread: raised at once, it would leave the rest undone). An
+    error it raises is raised, but after an interrupt the interrupt is (the error its
+    context): the interrupt before any error, as a close raises them."""
+    interrupt: KeyboardInterrupt | None = None
+    while True:
+        try:
+            fn(*args)
+            return interrupt
+        except KeyboardInterrupt as exc:
+            interrupt = interrupt or exc
+        except Exception:
+            if interrupt is not None:
+                raise interrupt  # noqa: B904 - the interrupt first, the error its context
+            raise
+
+
+def in_turn(steps: list[tuple[Any, ...]], errors: list[BaseException] | None = None) -> None:
+    """Each of ``steps`` (a function and its arguments) called in turn, and taken off the
+    list once it returned: called again after a KeyboardInterrupt (by
+    ``until_uninterrupted``), this goes on from the step it landed in, or landed just
+    after (which runs again), and skips none. An error a step raises is raised, or,
+    ``errors`` given, put there, and the next step goes on."""
+    while steps:
+        fn, *args = steps[0]
+        if errors is None:
+            fn(*args)
+        else:
+            try:
+                fn(*args)
+            except Exception as exc:
+                errors.append(exc)
+        del steps[0]

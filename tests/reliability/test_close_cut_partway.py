@@ -136,8 +136,9 @@ async def test_a_block_lent_out_after_a_free_that_fails_is_left_to_its_loan(
 
 
 class _Interrupting:
-    """``fn``, whose call raises a KeyboardInterrupt as it returns (where CPython
-    delivers a Ctrl-C after a call); each call is noted in ``calls``."""
+    """``fn``, whose first call raises a KeyboardInterrupt as it returns (where CPython
+    delivers a Ctrl-C after a call: one, the native close then runs that step again);
+    each call is noted in ``calls``."""
 
     def __init__(self, fn: Any, calls: list[str], name: str, interrupts: bool) -> None:
         self.fn, self.calls, self.name, self.interrupts = fn, calls, name, interrupts
@@ -146,6 +147,7 @@ class _Interrupting:
         self.fn(*args)
         self.calls.append(self.name)
         if self.interrupts:
+            self.interrupts = False
             raise KeyboardInterrupt
 
 
@@ -184,7 +186,7 @@ async def test_an_interrupt_in_a_native_close_step_skips_none_of_the_later_ones(
     )
     with pytest.raises(KeyboardInterrupt):
         dev._close_native(abandon=True)
-    assert calls[-2:] == ["allocator", "backend"], calls
+    assert list(dict.fromkeys(calls))[-2:] == ["allocator", "backend"], calls
     assert backend.live_allocations == 0, backend.live_allocations
     assert dev._state.ran_out
     assert dev not in _device._devices()  # (taken off those noted open)
@@ -211,7 +213,7 @@ async def test_an_interrupt_in_a_native_close_is_raised_before_an_earlier_error(
     monkeypatch.setattr(backend, "close", _Interrupting(backend.close, calls, "backend", True))
     with pytest.raises(KeyboardInterrupt):
         dev._close_native(abandon=True)
-    assert calls == ["backend"]
+    assert calls == ["backend", "backend"]  # (interrupted as it returned, then run again)
     assert dev not in _device._devices()
 
 

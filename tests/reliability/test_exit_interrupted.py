@@ -25,10 +25,13 @@ atexit.register(report)  # (before asyncmetal's: run after them)
 import anyio, asyncmetal as am
 backends = []
 def interrupting(close):
+    raised = []
     def close_then_interrupt():
         close()
-        seen.append(True)
-        raise KeyboardInterrupt  # (as a Ctrl-C lands once the backend's close returns)
+        if not raised:  # (one Ctrl-C: the device's close runs that step again)
+            raised.append(True)
+            seen.append(True)
+            raise KeyboardInterrupt  # (as a Ctrl-C lands once the backend's close returns)
     return close_then_interrupt
 async def main():
     for _ in range(3):

@@ -21,6 +21,7 @@ from ..._backend import (
 )
 from ..._compile import Compiler
 from ..._errors import AsyncMetalError
+from ..._interrupts import in_turn, until_uninterrupted
 from . import _driver
 from ._compiler import CUDACompiler
 from ._driver import (
@@ -463,19 +464,35 @@ class CUDABackend(Backend):
         self._retired = []
 
     def close(self) -> None:
-        with self._modules_lock:  # (whatever fails below: see LoadGate.refuse)
-            self._loads.refuse()
-        try:
-            self._close()
-        finally:
+        # Each step runs whatever an earlier one raised, and again where a
+        # KeyboardInterrupt landed in it or just after it (each may run again): the
+        # interrupt is raised once all ran, before the first error (as
+        # Device._close_native, which runs this among its steps).
+        errors: list[BaseException] = []
+        steps: list[tuple[Any, ...]] = [
+            (self._refuse_loads,),  # (whatever fails below: see LoadGate.refuse)
+            (self._close,),
             # Also where the driver refused the context calls around it (the close
             # raises that): the freeing thread and the pinned chunks are not left.
-            self._stop_freer()
-            self._free_chunks()
-            # Its queues are closed: a queue's thread given up on by an abandoning close
-            # still holds what it held, and frees it with its last reference.
-            self._slots_closed = True
-            self._free_retired()
+            (self._stop_freer,),
+            (self._free_chunks,),
+            (self._close_slots,),
+        ]
+        interrupted = until_uninterrupted(in_turn, steps, errors)
+        if interrupted is not None:
+            raise interrupted
+        if errors:
+            raise errors[0]
+
+    def _refuse_loads(self) -> None:
+        with self._modules_lock:
+            self._loads.refuse()
+
+    def _close_slots(self) -> None:
+        # Its queues are closed: a queue's thread given up on by an abandoning close
+        # still holds what it held, and frees it with its last reference.
+        self._slots_closed = True
+        self._free_retired()
 
     def _stop_freer(self) -> None:
         with self._freer_lock:
@@ -500,23 +517,20 @@ class CUDABackend(Backend):
         # A KeyboardInterrupt as it ends them (a Ctrl-C as the close runs at exit, on the
         # main thread) is raised once the close ran: they are all ended again (ending one
         # twice changes nothing), so the synchronize neither skips the streams those
-        # already ended let run, nor waits for a stream still held by one.
-        interrupted: KeyboardInterrupt | None = None
-        while True:
-            try:
-                self._timelines.close_waits()
-                break
-            except KeyboardInterrupt as exc:
-                interrupted = interrupted or exc
-        try:
-            self._close_after_waits()
-        finally:
-            if interrupted is not None:
-                raise interrupted  # (before an error of the close, as Device._close_native)
+        # already ended let run, nor waits for a stream still held by one. So is one
+        # in the rest, at its entry too: that rest runs again (each of its parts may).
+        steps: list[tuple[Any, ...]] = [(self._end_waits,), (self._close_after_waits,)]
+        interrupted = until_uninterrupted(in_turn, steps)
+        if interrupted is not None:
+            raise interrupted  # (before an error of the close, as Device._close_native)
         # The primary context stays retained for the life of the process (as the CUDA
         # runtime keeps it): timelines live in its pinned memory and may outlive the
         # device object (a Completion kept around, a loop's watch), so that memory must
         # never be unmapped under them.
+
+    def _end_waits(self) -> None:
+        """The first part of _close: the device waits on its timelines end."""
+        self._timelines.close_waits()
 
     def _close_after_waits(self) -> None:
         """The rest of _close, once the device waits on its timelines ended."""

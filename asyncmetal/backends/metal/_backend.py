@@ -112,6 +112,9 @@ class MetalBackend(Backend):
         # (LoadGate): one ending after the close took the pipelines releases its own; the
         # close lets go of the device, unless a load is still under way (the last one does).
         self._loads = LoadGate(self._pipelines_lock, self._info.name)
+        # Until a close let go of the device, or left it to the last load: once (a close
+        # run again, after an interrupt, lets go of it no more).
+        self._device_held = True
         self._timelines = Timelines()
         # Releasing a buffer lets go of its memory (its pages unmapped: time in proportion
         # to its size), and frees come from the loop: always on this thread (see Freer),
@@ -304,8 +307,9 @@ class MetalBackend(Backend):
             # pipelines released here with the others.
             with self._pipelines_lock:
                 loading = self._loads.close()  # (the last of them lets go of the device)
+                lets_go, self._device_held = self._device_held and not loading, False
                 pipelines, self._pipelines = self._pipelines, {}
                 for pipeline in pipelines:
                     release(pipeline)
-            if not loading:
+            if lets_go:
                 self._release_device()
