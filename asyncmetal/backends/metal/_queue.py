@@ -4,12 +4,13 @@ per command)."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import functools
 import queue
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from ctypes import c_uint64, c_ulong, c_void_p
 from typing import Any, NamedTuple, Protocol, overload
 
@@ -290,6 +291,9 @@ class MetalQueue(NativeQueue):
         # buffers in flight): a loop's flush never waits for that. A submitting thread
         # holds it through its own commit, which routing keeps under MAX_IN_FLIGHT.
         self._commit_lock = threading.RLock()
+        # The last command committed (under _commit_lock): one refused after its note
+        # was not (_noted).
+        self._committed = 0
 
     # -- submission -----------------------------------------------------------------------
 
@@ -307,7 +311,7 @@ class MetalQueue(NativeQueue):
                 send(keep.event, "setSignaledValue:", MAX_VALUE, restype=None, argtypes=(c_uint64,))
             return
         record = record if record is not None else Record(value)
-        with self._commit_lock:
+        with self._noted(value), self._commit_lock:
             if self._routing(value):
                 command = _Command(value, record, then)
                 self._hand_over(
@@ -325,6 +329,26 @@ class MetalQueue(NativeQueue):
         signalled, target = then if then is not None else (None, 0)
         own = self._timeline.c_timeline
         return bool(self._backend.lib.am_metal_submitting(own, value, signalled, target))
+
+    @contextlib.contextmanager
+    def _noted(self, value: int) -> Iterator[None]:
+        """Around the commit (or hand-over) of command ``value``, noted by _submitting: a
+        refusal before the commit -- a nil command buffer or encoder, an error encoding,
+        a worker that did not start -- takes the note back (its number goes back to the
+        queue), and a failed queue whose handlers all ran settles then
+        (am_metal_unsubmitting) rather than wait for a handler of it. Not on an
+        interrupt: the queue hands ``value`` over again (Queue._interrupted), and a
+        hand-over it cut may be held already."""
+        try:
+            yield
+        except KeyboardInterrupt:
+            raise
+        except BaseException:
+            with self._commit_lock:
+                if self._committed != value:
+                    own = self._timeline.c_timeline
+                    self._backend.lib.am_metal_unsubmitting(own, value)
+            raise
 
     def _routing(self, value: int) -> bool:
         """Whether command ``value`` is committed from the queue's own thread, in order:
@@ -558,6 +582,7 @@ class MetalQueue(NativeQueue):
             _blocks.set_gates(block, [(w.c_timeline, v) for w, v in self._gates], hosts)
         send(cb, "addCompletedHandler:", ctypes.addressof(block), restype=None)
         send(cb, "commit", restype=None)
+        self._committed = value
         # Waits for what it signals go to the GPU from now on (those held go on) -- not
         # for a copy whose bytes its handler moves to the host (see _staged_copyout),
         # nor where ``hand`` is False (see _end_discard).
@@ -748,6 +773,10 @@ class MetalQueue(NativeQueue):
             waited = HostWait(self._backend, timeline)
         if not self._submitting(value):
             return
+        with self._noted(value):
+            self._wait(waited, target, value)
+
+    def _wait(self, waited: MetalTimeline | HostWait, target: int, value: int) -> None:
         held = not waited.ready(target)
         with self._waited_lock:
             self._waited.append((value, waited, target))
@@ -875,7 +904,7 @@ class MetalQueue(NativeQueue):
             if not self._submitting(value):
                 return
             command = _Command(value, record, None)
-            with self._commit_lock:
+            with self._noted(value), self._commit_lock:
                 self._hand_over(self._staged_copyin, dst, src, command, command=command)
             return
         self._blit(
@@ -1024,7 +1053,7 @@ class MetalQueue(NativeQueue):
         if not self._submitting(value):
             return
         command = _Command(value, record, None)
-        with self._commit_lock:
+        with self._noted(value), self._commit_lock:
             self._hand_over(self._staged_copyout, dst, src, command, command=command)
 
     def _staged_copyout(self, dst: memoryview, src: Arg, command: _Command) -> None:
