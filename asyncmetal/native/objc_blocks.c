@@ -82,9 +82,8 @@ static int settle_marked(am_timeline *t, uint64_t value) {
     return settle;
 }
 
-/* Settle t, marked by settle_marked: its timeline and its event. (t->event is alive: a
- * command buffer of its queue that signals it is in its handler, or its queue's own
- * submitting thread refused a command, am_metal_unsubmitting.) */
+/* Settle t, marked by settle_marked: its timeline and its event (retained by t, see
+ * am_metal_own). */
 static void settle_event(am_timeline *t) {
     am_timeline_signal(t, UINT64_MAX);
     ((void (*)(void *, void *, uint64_t))t->event_send)(t->event, t->event_selector,
@@ -387,13 +386,30 @@ void am_signal_committed(am_timeline *t, uint64_t v) {
 }
 
 /* t is a Metal queue's own timeline, of MTLSharedEvent `event`, which `send` (objc_msgSend)
- * with `selector` (setSignaledValue:) sets: it settles with its queue (settle_failed). */
-void am_metal_own(am_timeline *t, void *event, void *send, void *selector) {
+ * with `selector` (setSignaledValue:) sets: it settles with its queue (settle_failed).
+ * The event is retained (`retain`) until t is freed (am_metal_disown, with `release`):
+ * a handler held until its gates settle may settle t after the queue's own reference of
+ * the event went. */
+void am_metal_own(am_timeline *t, void *event, void *send, void *selector, void *retain,
+                  void *release) {
+    ((void *(*)(void *, void *))send)(event, retain);
+    am_metal_disown(t);
     pthread_mutex_lock(&t->mu);
     t->event = event;
     t->event_send = send;
     t->event_selector = selector;
+    t->event_release = release;
     pthread_mutex_unlock(&t->mu);
+}
+
+/* Release the event t retained (am_metal_own), if any: t is being freed (timeline_unref:
+ * nothing settles it any more). */
+void am_metal_disown(am_timeline *t) {
+    pthread_mutex_lock(&t->mu);
+    void *event = t->event, *release = t->event_release;
+    t->event = NULL;
+    pthread_mutex_unlock(&t->mu);
+    if (event) ((void (*)(void *, void *))t->event_send)(event, release);
 }
 
 /* Command `value` of the Metal queue whose own timeline is t is being submitted: 1, and

@@ -132,8 +132,9 @@ class MetalTimeline(_Waited, ForkableTimeline):
         self._backend = backend
 
     def __del__(self) -> None:
-        # Command buffers that wait on or signal the event retain it; this reference is
-        # the timeline's own (newSharedEvent). None if __init__ failed before making it.
+        # Command buffers that wait on or signal the event retain it, as a queue's own
+        # native timeline does (am_metal_own); this reference is the timeline's own
+        # (newSharedEvent). None if __init__ failed before making it.
         release(getattr(self, "event", 0))
         # Reached once no queue nor watch refers to it (they hold us); a completion
         # handler yet to run may still raise the native timeline.
@@ -209,8 +210,8 @@ class MetalQueue(NativeQueue):
         timeline.host_wait = HOST_WAIT_OWN
         # Failed, the queue settles its timeline, and the event, once the last command
         # submitted completed (objc_blocks.c, settle_failed: see _submitting).
-        send_address, set_value = _settle_call()
-        backend.lib.am_metal_own(timeline.c_timeline, timeline.event, send_address, set_value)
+        own = timeline.c_timeline
+        backend.lib.am_metal_own(own, timeline.event, *_settle_call())
         what = "newCommandQueueWithMaxCommandBufferCount:"
         self._queue = made(send(backend.device, what, 1024, argtypes=(c_ulong,)), what)
         # One collected unclosed -- made for a new_queue that an interrupt or an error
@@ -1211,10 +1212,16 @@ class _Owned:
 
 
 @functools.cache
-def _settle_call() -> tuple[int, int]:
-    """``objc_msgSend``'s address and the ``setSignaledValue:`` selector, for a completion
-    handler's native code to settle its queue's event."""
-    return objc_msgsend_address(), selector("setSignaledValue:")
+def _settle_call() -> tuple[int, int, int, int]:
+    """``objc_msgSend``'s address and the ``setSignaledValue:``, ``retain`` and
+    ``release`` selectors, for a completion handler's native code to settle its queue's
+    event (which its native timeline retains until freed: am_metal_own)."""
+    return (
+        objc_msgsend_address(),
+        selector("setSignaledValue:"),
+        selector("retain"),
+        selector("release"),
+    )
 
 
 @functools.cache

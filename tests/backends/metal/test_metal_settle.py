@@ -6,6 +6,9 @@ it, a signal submitted once it settled, and a wait submitted behind the failure.
 
 from __future__ import annotations
 
+import pathlib
+import subprocess
+import sys
 import time
 
 import anyio
@@ -293,3 +296,76 @@ async def test_a_refused_command_settles_a_failed_queue_whose_handlers_all_ran(
         with anyio.fail_after(5), pytest.raises(am.ClosedResourceError, match="settled without"):
             await q.timeline.wait(q.submitted + 1)
         assert q.timeline.value == MAX_VALUE
+
+
+# Run in a child: the simulated Metal aborts the interpreter on a message to a released
+# object.
+_HELD_HANDLER_AFTER_RELEASE = """
+import sys
+from ctypes import c_uint64
+
+from tests.support.fakes import metal_sim
+
+metal_sim.configure()
+
+import anyio
+
+import asyncmetal as am
+from asyncmetal._queue import native_queue
+from asyncmetal._timeline import MAX_VALUE
+from asyncmetal.backends.metal._objc import release, send
+from tests.backends.metal.test_metal import FAULTY
+from tests.backends.metal.test_metal_races import _until
+
+
+async def main() -> None:
+    dev = await am.open_device("metal")
+    crash = await dev.compile(FAULTY, "crash")
+    buf = await dev.alloc(64)
+    gate = dev.timeline()
+    q = dev.new_queue()
+    own = native_queue(q)
+    lib = dev._backend.lib
+    # The gate's event at 1 (a committed signal, as another queue's), its native mirror
+    # not yet (that queue's handler has not run).
+    lib.am_signal_committed(gate.native.c_timeline, 1)
+    send(gate.native.event, "setSignaledValue:", 1, restype=None, argtypes=(c_uint64,))
+    returned = metal_sim.handlers_returned()
+    q.wait(gate, 1)  # 1: a GPU wait, its completion gated on the mirror
+    q.launch(crash, buf)  # 2: faults, carrying the wait: its handler is held
+    await _until(lambda: metal_sim.handlers_returned() > returned)
+    assert q.timeline.value == 0
+    # The queue's own reference of its event goes, and the command buffers' with it (what
+    # MetalTimeline.__del__ does once nothing else holds the timeline).
+    with own._buffers_lock:
+        buffers = [cb for _, cb, _, _, _ in own._buffers]
+        own._buffers.clear()
+    for cb in buffers:
+        release(cb)
+    release(own._timeline.event)
+    own._timeline.event = 0
+    lib.am_timeline_signal(gate.native.c_timeline, 1)  # the held handlers run: it settles
+    await _until(lambda: q.timeline.value == MAX_VALUE)
+    print("settled", flush=True)
+    sys.stdout.flush()
+
+
+anyio.run(main)
+"""
+
+
+def test_a_held_handler_settles_a_queue_whose_event_was_released() -> None:
+    """A failed queue's handler held until its gate settles runs after the queue's own
+    reference of its MTLSharedEvent went: the native timeline retains the event, so the
+    settle sets a live one. Checked failing without the retain: the child aborted
+    (setSignaledValue: sent to deallocated instance)."""
+    root = pathlib.Path(__file__).resolve().parents[3]
+    child = subprocess.run(
+        [sys.executable, "-c", _HELD_HANDLER_AFTER_RELEASE],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert "settled" in child.stdout
