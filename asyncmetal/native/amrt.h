@@ -157,13 +157,17 @@ typedef struct am_timeline {
      * Under mu. */
     int closed;
     /* A Metal queue's own timeline: the last value submitted to its queue (UINT64_MAX:
-     * the queue failed and settled, block_finish), and what takes its MTLSharedEvent
-     * there with it: the event, objc_msgSend and `setSignaledValue:` (am_metal_own; no
-     * event: not a queue's own). Under mu. */
+     * the queue failed and settled, block_finish), the last whose completion handler
+     * ran (settle_failed), and what takes its MTLSharedEvent there with it: the event,
+     * retained (a handler held past the queue's last reference of it still sets it), and
+     * objc_msgSend, `setSignaledValue:` and `release` (am_metal_own; no event: not a
+     * queue's own; released with t, timeline_unref). Under mu. */
     uint64_t submitted;
+    uint64_t finished;
     void *event;
     void *event_send;
     void *event_selector;
+    void *event_release;
 } am_timeline;
 
 enum { AM_BY_HOST = 1, AM_BY_DEVICE = 2 };
@@ -491,7 +495,10 @@ int am_host_wait(am_timeline *t, uint64_t target, int committed, int *stop,
 void am_host_wait_stop(am_timeline *t, int *stop);
 void am_signal_committed(am_timeline *t, uint64_t v);
 uint64_t am_signal_committed_to(am_timeline *t);
-void am_metal_own(am_timeline *t, void *event, void *send, void *selector);
+void am_metal_own(am_timeline *t, void *event, void *send, void *selector, void *retain,
+                  void *release);
+void am_metal_disown(am_timeline *t);
+void am_metal_unsubmitting(am_timeline *t, uint64_t value);
 int am_metal_submitting(am_timeline *t, uint64_t value, am_timeline *then,
                         uint64_t then_value);
 am_block *am_block_new(void *isa, int reached, am_timeline *timeline, uint64_t value);

@@ -71,6 +71,25 @@ static const am_gate *gate_failed(const am_block *b) {
     return NULL;
 }
 
+/* Under t->mu: whether the Metal queue of t, failed, settles with the handler of
+ * command `value` (the last noted) run, marked so (see settle_failed). */
+static int settle_marked(am_timeline *t, uint64_t value) {
+    /* (a command buffer after the first that ran behind a failed wait reads no failure
+     * of its own in block_finish, with neither a gate that failed nor a signal) */
+    int failed = atomic_load(&t->failed_command) || t->waited_failed;
+    int settle = failed && t->event && t->submitted != UINT64_MAX && value >= t->submitted;
+    if (settle) t->submitted = UINT64_MAX;
+    return settle;
+}
+
+/* Settle t, marked by settle_marked: its timeline and its event (retained by t, see
+ * am_metal_own). */
+static void settle_event(am_timeline *t) {
+    am_timeline_signal(t, UINT64_MAX);
+    ((void (*)(void *, void *, uint64_t))t->event_send)(t->event, t->event_selector,
+                                                        UINT64_MAX);
+}
+
 /* A Metal queue that failed (a command buffer of it, or a device wait for a value never
  * produced) settles once the handler of its last submitted command ran -- `value`'s, in
  * order, so every command buffer it committed has completed -- as a cpu queue does
@@ -79,20 +98,14 @@ static const am_gate *gate_failed(const am_block *b) {
  * queues fail from them on), so no wait for a value no command of it produces is left
  * waiting. The look and the mark are under t->mu, as am_metal_submitting's note of a
  * command: one noted before the look is past `value` (no settle yet), and one noted
- * after the mark is never committed. */
+ * after the mark is never committed. The last handler run is noted there too: a note
+ * taken back settles from it (am_metal_unsubmitting). */
 static void settle_failed(am_timeline *t, uint64_t value) {
     pthread_mutex_lock(&t->mu);
-    /* (a command buffer after the first that ran behind a failed wait reads no failure
-     * of its own in block_finish, with neither a gate that failed nor a signal) */
-    int failed = atomic_load(&t->failed_command) || t->waited_failed;
-    int settle = failed && t->event && t->submitted != UINT64_MAX && value >= t->submitted;
-    if (settle) t->submitted = UINT64_MAX;
+    if (value > t->finished) t->finished = value;
+    int settle = settle_marked(t, value);
     pthread_mutex_unlock(&t->mu);
-    if (!settle) return;
-    am_timeline_signal(t, UINT64_MAX);
-    /* (t->event is alive: the command buffer whose handler this is signals it) */
-    ((void (*)(void *, void *, uint64_t))t->event_send)(t->event, t->event_selector,
-                                                        UINT64_MAX);
+    if (settle) settle_event(t);
 }
 
 /* Raise b's timeline, and the one its command buffer signalled (or fail that: a signal
@@ -373,13 +386,30 @@ void am_signal_committed(am_timeline *t, uint64_t v) {
 }
 
 /* t is a Metal queue's own timeline, of MTLSharedEvent `event`, which `send` (objc_msgSend)
- * with `selector` (setSignaledValue:) sets: it settles with its queue (settle_failed). */
-void am_metal_own(am_timeline *t, void *event, void *send, void *selector) {
+ * with `selector` (setSignaledValue:) sets: it settles with its queue (settle_failed).
+ * The event is retained (`retain`) until t is freed (am_metal_disown, with `release`):
+ * a handler held until its gates settle may settle t after the queue's own reference of
+ * the event went. */
+void am_metal_own(am_timeline *t, void *event, void *send, void *selector, void *retain,
+                  void *release) {
+    ((void *(*)(void *, void *))send)(event, retain);
+    am_metal_disown(t);
     pthread_mutex_lock(&t->mu);
     t->event = event;
     t->event_send = send;
     t->event_selector = selector;
+    t->event_release = release;
     pthread_mutex_unlock(&t->mu);
+}
+
+/* Release the event t retained (am_metal_own), if any: t is being freed (timeline_unref:
+ * nothing settles it any more). */
+void am_metal_disown(am_timeline *t) {
+    pthread_mutex_lock(&t->mu);
+    void *event = t->event, *release = t->event_release;
+    t->event = NULL;
+    pthread_mutex_unlock(&t->mu);
+    if (event) ((void (*)(void *, void *))t->event_send)(event, release);
 }
 
 /* Command `value` of the Metal queue whose own timeline is t is being submitted: 1, and
@@ -399,4 +429,18 @@ int am_metal_submitting(am_timeline *t, uint64_t value, am_timeline *then,
     pthread_mutex_unlock(&t->mu);
     if (settled && then) am_timeline_fail(then, then_value, error, fail_value, cause);
     return !settled;
+}
+
+/* Command `value`, noted by am_metal_submitting, was refused before its commit (no
+ * handler of it will run): the note is taken back if no later one was made, and a failed
+ * queue whose handlers ran through `value` - 1 settles now, as its last one would have. */
+void am_metal_unsubmitting(am_timeline *t, uint64_t value) {
+    pthread_mutex_lock(&t->mu);
+    int settle = 0;
+    if (t->submitted == value) {
+        t->submitted = value - 1;
+        settle = t->finished >= value - 1 && settle_marked(t, t->finished);
+    }
+    pthread_mutex_unlock(&t->mu);
+    if (settle) settle_event(t);
 }

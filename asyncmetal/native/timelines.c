@@ -411,6 +411,7 @@ int am_timeline_refs(am_timeline *t) { return atomic_load(&t->refs); }
 /* Let go of a reference of t (see refs): the last one frees it. */
 void timeline_unref(am_timeline *t) {
     if (atomic_fetch_sub(&t->refs, 1) != 1) return;
+    am_metal_disown(t);  /* (a Metal queue's own: its event, retained) */
     /* (t->kicks: none -- a kick registered holds a reference of t, cuda_submit.c) */
     pthread_mutex_destroy(&t->mu);
     pthread_cond_destroy(&t->cv);

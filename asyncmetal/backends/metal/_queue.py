@@ -4,12 +4,13 @@ per command)."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import functools
 import queue
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from ctypes import c_uint64, c_ulong, c_void_p
 from typing import Any, NamedTuple, Protocol, overload
 
@@ -131,8 +132,9 @@ class MetalTimeline(_Waited, ForkableTimeline):
         self._backend = backend
 
     def __del__(self) -> None:
-        # Command buffers that wait on or signal the event retain it; this reference is
-        # the timeline's own (newSharedEvent). None if __init__ failed before making it.
+        # Command buffers that wait on or signal the event retain it, as a queue's own
+        # native timeline does (am_metal_own); this reference is the timeline's own
+        # (newSharedEvent). None if __init__ failed before making it.
         release(getattr(self, "event", 0))
         # Reached once no queue nor watch refers to it (they hold us); a completion
         # handler yet to run may still raise the native timeline.
@@ -208,8 +210,8 @@ class MetalQueue(NativeQueue):
         timeline.host_wait = HOST_WAIT_OWN
         # Failed, the queue settles its timeline, and the event, once the last command
         # submitted completed (objc_blocks.c, settle_failed: see _submitting).
-        send_address, set_value = _settle_call()
-        backend.lib.am_metal_own(timeline.c_timeline, timeline.event, send_address, set_value)
+        own = timeline.c_timeline
+        backend.lib.am_metal_own(own, timeline.event, *_settle_call())
         what = "newCommandQueueWithMaxCommandBufferCount:"
         self._queue = made(send(backend.device, what, 1024, argtypes=(c_ulong,)), what)
         # One collected unclosed -- made for a new_queue that an interrupt or an error
@@ -290,6 +292,9 @@ class MetalQueue(NativeQueue):
         # buffers in flight): a loop's flush never waits for that. A submitting thread
         # holds it through its own commit, which routing keeps under MAX_IN_FLIGHT.
         self._commit_lock = threading.RLock()
+        # The last command committed (under _commit_lock): one refused after its note
+        # was not (_noted).
+        self._committed = 0
 
     # -- submission -----------------------------------------------------------------------
 
@@ -307,7 +312,7 @@ class MetalQueue(NativeQueue):
                 send(keep.event, "setSignaledValue:", MAX_VALUE, restype=None, argtypes=(c_uint64,))
             return
         record = record if record is not None else Record(value)
-        with self._commit_lock:
+        with self._noted(value), self._commit_lock:
             if self._routing(value):
                 command = _Command(value, record, then)
                 self._hand_over(
@@ -325,6 +330,26 @@ class MetalQueue(NativeQueue):
         signalled, target = then if then is not None else (None, 0)
         own = self._timeline.c_timeline
         return bool(self._backend.lib.am_metal_submitting(own, value, signalled, target))
+
+    @contextlib.contextmanager
+    def _noted(self, value: int) -> Iterator[None]:
+        """Around the commit (or hand-over) of command ``value``, noted by _submitting: a
+        refusal before the commit -- a nil command buffer or encoder, an error encoding,
+        a worker that did not start -- takes the note back (its number goes back to the
+        queue), and a failed queue whose handlers all ran settles then
+        (am_metal_unsubmitting) rather than wait for a handler of it. Not on an
+        interrupt: the queue hands ``value`` over again (Queue._interrupted), and a
+        hand-over it cut may be held already."""
+        try:
+            yield
+        except KeyboardInterrupt:
+            raise
+        except BaseException:
+            with self._commit_lock:
+                if self._committed != value:
+                    own = self._timeline.c_timeline
+                    self._backend.lib.am_metal_unsubmitting(own, value)
+            raise
 
     def _routing(self, value: int) -> bool:
         """Whether command ``value`` is committed from the queue's own thread, in order:
@@ -558,6 +583,7 @@ class MetalQueue(NativeQueue):
             _blocks.set_gates(block, [(w.c_timeline, v) for w, v in self._gates], hosts)
         send(cb, "addCompletedHandler:", ctypes.addressof(block), restype=None)
         send(cb, "commit", restype=None)
+        self._committed = value
         # Waits for what it signals go to the GPU from now on (those held go on) -- not
         # for a copy whose bytes its handler moves to the host (see _staged_copyout),
         # nor where ``hand`` is False (see _end_discard).
@@ -748,6 +774,10 @@ class MetalQueue(NativeQueue):
             waited = HostWait(self._backend, timeline)
         if not self._submitting(value):
             return
+        with self._noted(value):
+            self._wait(waited, target, value)
+
+    def _wait(self, waited: MetalTimeline | HostWait, target: int, value: int) -> None:
         held = not waited.ready(target)
         with self._waited_lock:
             self._waited.append((value, waited, target))
@@ -875,7 +905,7 @@ class MetalQueue(NativeQueue):
             if not self._submitting(value):
                 return
             command = _Command(value, record, None)
-            with self._commit_lock:
+            with self._noted(value), self._commit_lock:
                 self._hand_over(self._staged_copyin, dst, src, command, command=command)
             return
         self._blit(
@@ -1024,7 +1054,7 @@ class MetalQueue(NativeQueue):
         if not self._submitting(value):
             return
         command = _Command(value, record, None)
-        with self._commit_lock:
+        with self._noted(value), self._commit_lock:
             self._hand_over(self._staged_copyout, dst, src, command, command=command)
 
     def _staged_copyout(self, dst: memoryview, src: Arg, command: _Command) -> None:
@@ -1182,10 +1212,16 @@ class _Owned:
 
 
 @functools.cache
-def _settle_call() -> tuple[int, int]:
-    """``objc_msgSend``'s address and the ``setSignaledValue:`` selector, for a completion
-    handler's native code to settle its queue's event."""
-    return objc_msgsend_address(), selector("setSignaledValue:")
+def _settle_call() -> tuple[int, int, int, int]:
+    """``objc_msgSend``'s address and the ``setSignaledValue:``, ``retain`` and
+    ``release`` selectors, for a completion handler's native code to settle its queue's
+    event (which its native timeline retains until freed: am_metal_own)."""
+    return (
+        objc_msgsend_address(),
+        selector("setSignaledValue:"),
+        selector("retain"),
+        selector("release"),
+    )
 
 
 @functools.cache

@@ -6,7 +6,13 @@ it, a signal submitted once it settled, and a wait submitted behind the failure.
 
 from __future__ import annotations
 
+import pathlib
+import subprocess
+import sys
+import time
+
 import anyio
+import numpy as np
 import pytest
 
 import asyncmetal as am
@@ -14,7 +20,7 @@ from asyncmetal._queue import native_queue
 from asyncmetal._timeline import MAX_VALUE
 from asyncmetal.backends.metal import _queue as metal_queue
 from asyncmetal.backends.metal._queue import MetalQueue
-from tests.backends.metal.test_metal import FAULTY, sim_only
+from tests.backends.metal.test_metal import FAULTY, SPIN_UNTIL, sim_only
 from tests.backends.metal.test_metal_races import _until
 from tests.support.fakes import metal_sim
 from tests.support.kernels import KERNELS, MSL_KERNELS
@@ -204,3 +210,162 @@ async def test_a_held_wait_is_dropped_once_its_queue_fails(anyio_backend: object
             await q.timeline.wait(q.submitted + 1)
         assert q.timeline.value == MAX_VALUE
         assert never.value == 0
+
+
+async def test_a_command_refused_after_its_note_does_not_keep_a_failed_queue_unsettled(
+    anyio_backend: object,
+) -> None:
+    """A launch noted as submitted and then refused before its commit (here its commit
+    raises, as a nil command buffer does) gives its number back: the failed queue
+    settles once its last committed command completed, not once a handler of the
+    refused one ran (none does). Checked failing without the note taken back: the host
+    wait for q.submitted + 1 ran past its fail_after (TimeoutError)."""
+    async with am.open_device("metal") as dev:
+        spin = await dev.compile(SPIN_UNTIL, "spin_until")
+        crash = await dev.compile(FAULTY, "crash")
+        fill = await dev.compile(MSL_KERNELS, "fill")
+        flag, buf = await dev.alloc(4), await dev.alloc(64)
+        await flag.write(np.zeros(1, np.int32))
+        view = np.frombuffer(dev._backend.host_view(flag._allocation.handle, 0, 4), np.int32)
+        q = dev.new_queue()
+        own = native_queue(q)
+        assert isinstance(own, MetalQueue)
+        q.launch(spin, flag)  # 1: holds the GPU until the flag is set
+        faulted = q.launch(crash, buf)  # 2: fails the queue
+
+        def refuse(*args: object, **kw: object) -> None:
+            raise am.AsyncMetalError("commandBuffer returned nil (simulated)")
+
+        own._encode_and_commit = refuse  # type: ignore[method-assign]
+        with pytest.raises(am.AsyncMetalError, match="simulated"):
+            q.launch(fill, buf, vals=(1, 16))  # 3: noted, then refused
+        del own._encode_and_commit
+        assert q.submitted == 2
+        view[0] = 1
+        with anyio.fail_after(5), pytest.raises(am.DeviceLostError, match="crash faulted"):
+            await faulted
+        with anyio.fail_after(5), pytest.raises(am.ClosedResourceError, match="settled without"):
+            await q.timeline.wait(q.submitted + 1)
+        assert q.timeline.value == MAX_VALUE
+
+
+async def test_a_refused_command_settles_a_failed_queue_whose_handlers_all_ran(
+    anyio_backend: object,
+) -> None:
+    """A launch refused before its commit on a failed queue whose last command's handler
+    ran already, with no settle (the refused one was noted as its last), settles it as
+    it takes its note back. Checked failing without the note taken back: the host wait
+    for q.submitted + 1 ran past its fail_after (TimeoutError); and with the note taken
+    back but no settle there: the same."""
+    async with am.open_device("metal") as dev:
+        spin = await dev.compile(SPIN_UNTIL, "spin_until")
+        crash = await dev.compile(FAULTY, "crash")
+        fill = await dev.compile(MSL_KERNELS, "fill")
+        flag, buf = await dev.alloc(4), await dev.alloc(64)
+        await flag.write(np.zeros(1, np.int32))
+        view = np.frombuffer(dev._backend.host_view(flag._allocation.handle, 0, 4), np.int32)
+        q = dev.new_queue()
+        own = native_queue(q)
+        assert isinstance(own, MetalQueue)
+        q.launch(spin, flag)  # 1: holds the GPU until the flag is set
+        faulted = q.launch(crash, buf)  # 2: fails the queue
+        lib = dev._backend.lib
+        with own._buffers_lock:
+            block = own._buffers[-1][2]
+        assert block.value == 2
+        block.notify = 1  # (its run wakes am_blocks_wait)
+
+        def refuse_once_ran(*args: object, **kw: object) -> None:
+            # 3 is noted as the last submitted: command 2's handler, run now, does not
+            # settle the queue
+            view[0] = 1
+            seen, until = lib.am_blocks_wait(0, 0), time.monotonic() + 5
+            while not block.calls and time.monotonic() < until:
+                seen = lib.am_blocks_wait(seen, 100_000_000)
+            assert block.calls
+            assert q.timeline.value == 2
+            raise am.AsyncMetalError("commandBuffer returned nil (simulated)")
+
+        own._encode_and_commit = refuse_once_ran  # type: ignore[method-assign]
+        with pytest.raises(am.AsyncMetalError, match="simulated"):
+            q.launch(fill, buf, vals=(1, 16))  # 3: noted, then refused
+        del own._encode_and_commit
+        assert q.submitted == 2
+        with anyio.fail_after(5), pytest.raises(am.DeviceLostError, match="crash faulted"):
+            await faulted
+        with anyio.fail_after(5), pytest.raises(am.ClosedResourceError, match="settled without"):
+            await q.timeline.wait(q.submitted + 1)
+        assert q.timeline.value == MAX_VALUE
+
+
+# Run in a child: the simulated Metal aborts the interpreter on a message to a released
+# object.
+_HELD_HANDLER_AFTER_RELEASE = """
+import sys
+from ctypes import c_uint64
+
+from tests.support.fakes import metal_sim
+
+metal_sim.configure()
+
+import anyio
+
+import asyncmetal as am
+from asyncmetal._queue import native_queue
+from asyncmetal._timeline import MAX_VALUE
+from asyncmetal.backends.metal._objc import release, send
+from tests.backends.metal.test_metal import FAULTY
+from tests.backends.metal.test_metal_races import _until
+
+
+async def main() -> None:
+    dev = await am.open_device("metal")
+    crash = await dev.compile(FAULTY, "crash")
+    buf = await dev.alloc(64)
+    gate = dev.timeline()
+    q = dev.new_queue()
+    own = native_queue(q)
+    lib = dev._backend.lib
+    # The gate's event at 1 (a committed signal, as another queue's), its native mirror
+    # not yet (that queue's handler has not run).
+    lib.am_signal_committed(gate.native.c_timeline, 1)
+    send(gate.native.event, "setSignaledValue:", 1, restype=None, argtypes=(c_uint64,))
+    returned = metal_sim.handlers_returned()
+    q.wait(gate, 1)  # 1: a GPU wait, its completion gated on the mirror
+    q.launch(crash, buf)  # 2: faults, carrying the wait: its handler is held
+    await _until(lambda: metal_sim.handlers_returned() > returned)
+    assert q.timeline.value == 0
+    # The queue's own reference of its event goes, and the command buffers' with it (what
+    # MetalTimeline.__del__ does once nothing else holds the timeline).
+    with own._buffers_lock:
+        buffers = [cb for _, cb, _, _, _ in own._buffers]
+        own._buffers.clear()
+    for cb in buffers:
+        release(cb)
+    release(own._timeline.event)
+    own._timeline.event = 0
+    lib.am_timeline_signal(gate.native.c_timeline, 1)  # the held handlers run: it settles
+    await _until(lambda: q.timeline.value == MAX_VALUE)
+    print("settled", flush=True)
+    sys.stdout.flush()
+
+
+anyio.run(main)
+"""
+
+
+def test_a_held_handler_settles_a_queue_whose_event_was_released() -> None:
+    """A failed queue's handler held until its gate settles runs after the queue's own
+    reference of its MTLSharedEvent went: the native timeline retains the event, so the
+    settle sets a live one. Checked failing without the retain: the child aborted
+    (setSignaledValue: sent to deallocated instance)."""
+    root = pathlib.Path(__file__).resolve().parents[3]
+    child = subprocess.run(
+        [sys.executable, "-c", _HELD_HANDLER_AFTER_RELEASE],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert "settled" in child.stdout
