@@ -220,7 +220,9 @@ void cuq_poison(am_cuq *q, uint64_t from, int error, uint64_t value, am_timeline
     for (am_cuwaiter *w = q->waiters; w; w = w->next) n += w->target >= from;
     am_cuwaiter *hit = n ? malloc(n * sizeof *hit) : NULL;  /* none: they fail at q's settling */
     for (am_cuwaiter *w = q->waiters; hit && w; w = w->next)
-        if (w->target >= from) {
+        if (w->target >= from && w->pending) {
+            w->failed = 1;  /* (its submitting thread passes it on, if the wait was made) */
+        } else if (w->target >= from) {
             hit[i++] = *w;
             atomic_fetch_add(&w->q->refs, 1);
         }
@@ -272,30 +274,41 @@ int cuq_waited(am_cuq *q, am_cuq *other, uint64_t target, uint64_t command) {
     }
     am_cuwaiter *w = malloc(sizeof *w);
     if (!w) return 0;  /* not recorded: a failure of other would not reach this wait */
-    *w = (am_cuwaiter){other->waiters, q, target, command};
+    *w = (am_cuwaiter){other->waiters, q, target, command, 1, 0};
     atomic_fetch_add(&q->refs, 1);
     other->waiters = w;
     return 0;
 }
 
-/* A device wait of q recorded with other (cuq_waited) that the driver refused: the
- * record goes (the first one of q for that command and target: the only one), so
- * that a failure of other at or before `target` does not fail the command that takes
- * the refused one's number. A failure that took other's records before this (its
- * settling, its close) fails q from `command` on as for a wait that was made. Not under
- * any queue's mu (other's is taken here). */
-void cuq_unwaited(am_cuq *q, am_cuq *other, uint64_t target, uint64_t command) {
+/* The driver call of q's device wait recorded with other (cuq_waited, pending) returned:
+ * `made`, the driver took it. A failure of other at or before `target` that reached the
+ * record meanwhile (its poison, settling or close: they pass a pending record by, marking
+ * it failed) fails q from `command` on now if the wait was made, as it would have then;
+ * refused, nothing of it runs, and its number goes to q's next command, which that
+ * failure must not fail: the record goes, and nothing else holds it. A made wait's
+ * record stays for a later failure, unless passed on here. Not under any queue's mu
+ * (other's, then q's, are taken here). */
+void cuq_wait_made(am_cuq *q, am_cuq *other, uint64_t target, uint64_t command, int made) {
     am_cuwaiter *gone = NULL;
+    int failed = 0, error = 0;
+    uint64_t value = 0;
+    am_timeline *cause = NULL;
     pthread_mutex_lock(&other->mu);
     for (am_cuwaiter **p = &other->waiters; *p; p = &(*p)->next) {
         am_cuwaiter *w = *p;
-        if (w->q == q && w->target == target && w->command == command) {
-            *p = w->next;
-            gone = w;
+        if (w->q == q && w->target == target && w->command == command && w->pending) {
+            w->pending = 0;
+            failed = w->failed;
+            if (!made || failed) {
+                *p = w->next;
+                gone = w;
+            }
             break;
         }
     }
+    if (made && failed) cuq_cause(other, &error, &value, &cause);
     pthread_mutex_unlock(&other->mu);
+    if (made && failed) cuq_poison(q, command, error, value, cause);
     if (!gone) return;
     cuq_unref(q);  /* (never the last reference: q is submitting) */
     free(gone);
@@ -504,15 +517,36 @@ void cuq_mark_failed(am_cuq *q, uint64_t first, int error) {
     q->cause = q->timeline;
 }
 
+/* Under q->mu: q's waiter records, taken off -- but those whose driver call is still
+ * being made (pending) are left with q, marked failed if q's failure from `first` on
+ * (0: none) reaches them: their submitting thread passes it on, and takes them off
+ * (cuq_wait_made; it references q until then, so none is left at q's free). */
+static am_cuwaiter *cuq_take_waiters(am_cuq *q, uint64_t first) {
+    am_cuwaiter *taken = NULL, **kept = &q->waiters;
+    for (am_cuwaiter *w = q->waiters, *next; w; w = next) {
+        next = w->next;
+        if (w->pending) {
+            w->failed |= first && w->target >= first;
+            *kept = w;
+            kept = &w->next;
+        } else {
+            w->next = taken;
+            taken = w;
+        }
+    }
+    *kept = NULL;
+    return taken;
+}
+
 /* Abandoned: the device waits on those commands made before fail their queues' commands from
  * that wait on (cuq_poison) -- those whose stream goes on once the abandoned command ran
  * anyway (a close raises the words it waited on) ran on data never produced -- unless
  * that wait's command was confirmed already: the command it waited for ran. And q
- * forgets its waiters (all it does with `first` 0). Not under mu. */
+ * forgets its waiters (all it does with `first` 0), but those pending (cuq_take_waiters).
+ * Not under mu. */
 void cuq_abandon_waiters(am_cuq *q, uint64_t first) {
     pthread_mutex_lock(&q->mu);
-    am_cuwaiter *w = q->waiters;
-    q->waiters = NULL;
+    am_cuwaiter *w = cuq_take_waiters(q, first);
     pthread_mutex_unlock(&q->mu);
     while (w) {
         am_cuwaiter *next = w->next;
@@ -544,8 +578,7 @@ static void cuq_release_waiters(am_cuq *q) {
     pthread_mutex_lock(&q->mu);
     uint64_t failed = cuq_failed_at(q);
     cuq_cause(q, &error, &value, &cause);
-    am_cuwaiter *w = q->waiters;
-    q->waiters = NULL;
+    am_cuwaiter *w = cuq_take_waiters(q, failed);
     pthread_mutex_unlock(&q->mu);
     while (w) {
         am_cuwaiter *next = w->next;

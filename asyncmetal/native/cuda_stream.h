@@ -247,6 +247,10 @@ typedef struct am_cuwaiter {
     struct am_cuwaiter *next;
     struct am_cuq *q;
     uint64_t target, command;
+    /* With the queue waited for: `pending` while the wait's driver call is made (not
+     * known made), `failed` once that queue's failure reached it meanwhile -- passed on
+     * by the submitting thread only if the driver took the wait (cuq_wait_made). */
+    int pending, failed;
 } am_cuwaiter;
 
 #define CU_WAITED_FAILED (-3)  /* a queue's error: it waited for a failed command's value */
@@ -375,7 +379,8 @@ AM_HIDDEN void cuq_unkick(am_cuq *q, am_timeline *kick_on);
 AM_HIDDEN void cuq_drop_failed(am_cuq *q);
 AM_HIDDEN int cuq_waited(am_cuq *q, am_cuq *other, uint64_t target, uint64_t command);
 AM_HIDDEN void cuq_waiting(am_cuq *q, am_cuq *other, uint64_t target, uint64_t command);
-AM_HIDDEN void cuq_unwaited(am_cuq *q, am_cuq *other, uint64_t target, uint64_t command);
+AM_HIDDEN void cuq_wait_made(am_cuq *q, am_cuq *other, uint64_t target, uint64_t command,
+                              int made);
 AM_HIDDEN void cuq_drop_waiting(am_cuwaiter *w);
 AM_HIDDEN void cuq_mark_failed(am_cuq *q, uint64_t first, int error);
 AM_HIDDEN void cuq_abandon_waiters(am_cuq *q, uint64_t first);

@@ -323,17 +323,19 @@ static int stream_wait_queue(void *stream, am_cuq *other, uint64_t value, am_cuq
     /* A queue's wait, recorded with other: recorded with q too, for q's thread to check
      * other before confirming the command (cuq_waiting), once other's lock is let go
      * (never a queue's mu under another's) and the driver took the wait, before the
-     * command's end is handed over. One the driver refused goes from other's records
-     * (cuq_unwaited), and is never recorded with q: its command is taken back, and its
-     * number goes to q's next command, which a failure of other must not fail. */
+     * command's end is handed over. Until the driver call returned, other's record is
+     * pending: a failure of other passes it by, and it is passed on here only if the
+     * wait was made (cuq_wait_made). One the driver refused goes from other's records,
+     * and is never recorded with q: its command is taken back, and its number goes to
+     * q's next command, which a failure of other must not fail. */
     int waiting = q && !abandoned;
     if (value > other->submitted) {
         pthread_mutex_unlock(&other->mu);
         *call = CU_WAIT64;
         r = ((int (*)(void *, void *, uint64_t, unsigned))cu_funcs[CU_WAIT64])(
             stream, (void *)other->word, value, 0x0 /* CU_STREAM_WAIT_VALUE_GEQ */);
-        if (waiting && r) cuq_unwaited(q, other, value, command);
-        else if (waiting) cuq_waiting(q, other, value, command);
+        if (waiting) cuq_wait_made(q, other, value, command, !r);
+        if (waiting && !r) cuq_waiting(q, other, value, command);
         return r;
     }
     *call = CU_WAIT_EVENT;
@@ -355,8 +357,8 @@ static int stream_wait_queue(void *stream, am_cuq *other, uint64_t value, am_cuq
         cuq_give_back(other, &lend);
         pthread_mutex_unlock(&other->mu);
     }
-    if (waiting && r) cuq_unwaited(q, other, value, command);
-    else if (waiting) cuq_waiting(q, other, value, command);
+    if (waiting) cuq_wait_made(q, other, value, command, !r);
+    if (waiting && !r) cuq_waiting(q, other, value, command);
     return r;
 }
 

@@ -249,10 +249,10 @@ class CUDAQueue(NativeQueue):
         the command's native calls (read before them: they set the failure)."""
         # The queue's own error, read in place: am_cuq_error also gives a queue failing
         # behind a failed device wait its failure before it settles, from that wait's
-        # command on -- a wait the driver refused with nothing of it handed over is
-        # failed so once the queue it waited for settles failed (its record there made
-        # first: native/cuda_submit.c, stream_wait_queue). Kept, it would be submitted
-        # with nothing of it to confirm, and the queue would never settle.
+        # command on: no part of a refused command reached the driver for that (a wait
+        # the driver refused is not failed by the queue it waited for: native/
+        # cuda_submit.c, stream_wait_queue), and kept, a command with nothing of it
+        # handed over would leave the queue nothing to confirm, and unsettled.
         if not clean or self._q is None or not self._error.value:
             return False
         code, first = self._first_error()

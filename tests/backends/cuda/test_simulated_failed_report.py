@@ -120,3 +120,35 @@ def test_a_wait_the_driver_refused_fails_no_later_command(loop: str) -> None:
     assert seen["first settled"] is True, seen
     assert seen["before"] == "done", seen
     assert seen["after"] == "done", seen
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_wait_refused_while_its_queue_fails_fails_no_later_command(loop: str) -> None:
+    """A device wait whose call the driver refused (not a fault) only after the queue
+    it waited for failed at or below the value waited for and settled, that failure
+    reaching its record with that queue while the call was in the driver: the wait
+    raises the driver's error, and neither the command that takes its number nor a later
+    one fails. Checked: with the failure passing that record on (its copy, or its
+    settling's take, made in the call; its poison reaching the waiting queue once the
+    call returned), both markers failed ("ran after a device-side wait for a value that
+    a command of another queue never produced", at value 1: the refused wait's number)."""
+    harness.skip_without_compiler()
+    seen = simulated_failed_report.run("refused_wait_failing", loop)
+    assert seen["first settled"] is True, seen
+    assert str(seen["wait"]).startswith("AsyncMetalError: cuStreamWaitEvent"), seen
+    assert "never produced" in str(seen["doomed"]), seen
+    assert seen["before"] == "done", seen
+    assert seen["after"] == "done", seen
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_wait_made_while_its_queue_fails_fails_its_queue_from_it(loop: str) -> None:
+    """The same, the driver taking the wait: the failure that reached its record while
+    the call was in the driver fails the waiting queue from the wait on, as one that
+    came once the call returned does."""
+    harness.skip_without_compiler()
+    seen = simulated_failed_report.run("made_wait_failing", loop)
+    assert seen["first settled"] is True, seen
+    assert seen["wait"] == "submitted", seen
+    for name in ("doomed", "waited", "before", "after"):
+        assert "never produced" in str(seen[name]), (name, seen)

@@ -14,6 +14,9 @@ SCENARIO saw, as JSON, on its last line (``run`` runs it, and reads that).
 - ``refused_wait_number``: a queue's device wait on another queue's command in flight,
   refused by the driver (not a fault: the device still works), that queue failing at
   or below the value waited for only after the refusal returned.
+- ``refused_wait_failing``: as ``refused_wait_number``, that queue failing and settling
+  while the refused wait's driver call is in the driver; ``made_wait_failing``: the
+  same, the driver taking the wait.
 """
 
 from __future__ import annotations
@@ -139,6 +142,7 @@ async def _held_signal(sim: _Simulated) -> Seen:
 MAX = (1 << 64) - 1
 SETTLE_S = 10  # the failed queue settles within this (its thread naps 1 ms at most)
 CLOSE_S = 10  # the device closes within this, or waits for good
+CU_WAIT_EVENT = 9  # the driver table's cuStreamWaitEvent (native/cuda_stream.h)
 
 
 async def _refused_wait(sim: _Simulated) -> Seen:
@@ -255,11 +259,81 @@ async def _refused_wait_number(sim: _Simulated) -> Seen:
     return seen
 
 
+async def _wait_failing(sim: _Simulated, made: bool) -> Seen:
+    """As ``refused_wait_number``, but ``gate`` fails (and ``first`` fails and settles,
+    its failure reaching its record of ``waiting``'s wait) while the wait's driver call
+    is still in the driver (cuStreamWaitEvent, replaced for the call), which then takes
+    the wait (``made``: not enqueued on the simulated stream) or refuses it
+    (CUDA_ERROR_INVALID_VALUE). How the wait's submission ended (and, taken, the wait),
+    whether ``first`` had settled in the call, and each marker of ``waiting`` after it."""
+    import ctypes
+
+    import asyncmetal as am
+    from asyncmetal import _native
+
+    seen: Seen = {}
+    dev = await am.open_device("cuda:0")
+    lib = _native.runtime()
+    try:
+        first, waiting, gate = dev.new_queue(), dev.new_queue(), dev.timeline()
+        gate.signal(1)  # (only ever signalled by the host: the wait goes to the driver)
+        doomed = first.wait(gate, 2)
+        ahead = first.marker()
+
+        def in_driver(stream: int, event: int, flags: int) -> int:
+            gate.native.abandon(2, 2)
+            until = time.monotonic() + SETTLE_S
+            while first.timeline.value != MAX and time.monotonic() < until:
+                time.sleep(0.001)  # (its settling has nothing to wait on)
+            seen["first settled"] = first.timeline.value == MAX
+            return 0 if made else 1  # CUDA_ERROR_INVALID_VALUE
+
+        call = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
+        hook = call(in_driver)
+        lib.am_cuda_set(CU_WAIT_EVENT, ctypes.cast(hook, ctypes.c_void_p))
+        try:
+            wait = waiting.wait(first.timeline, ahead.value)
+            seen["wait"] = "submitted"
+        except am.AsyncMetalError as exc:
+            seen["wait"] = _error(exc)
+        finally:
+            sim.fake.fake_driver_install()
+        try:  # (a queue failing from the wait on may refuse it)
+            before = waiting.marker()
+        except am.AsyncMetalError as exc:
+            before, seen["before"] = None, _error(exc)
+        seen["doomed"] = await _awaited(doomed)
+        if made:
+            seen["waited"] = await _awaited(wait)
+        try:
+            after = waiting.marker()
+        except am.AsyncMetalError as exc:
+            seen["after"] = _error(exc)
+        else:
+            seen["after"] = await _awaited(after)
+        if before is not None:
+            seen["before"] = await _awaited(before)
+    finally:
+        with anyio.fail_after(CLOSE_S):
+            await dev.close()
+    return seen
+
+
+async def _refused_wait_failing(sim: _Simulated) -> Seen:
+    return await _wait_failing(sim, made=False)
+
+
+async def _made_wait_failing(sim: _Simulated) -> Seen:
+    return await _wait_failing(sim, made=True)
+
+
 SCENARIOS = {
     "gated": _gated,
     "held_signal": _held_signal,
     "refused_wait": _refused_wait,
     "refused_wait_number": _refused_wait_number,
+    "refused_wait_failing": _refused_wait_failing,
+    "made_wait_failing": _made_wait_failing,
 }
 
 
