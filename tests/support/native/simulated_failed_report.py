@@ -25,6 +25,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -79,15 +80,22 @@ async def gated(am: Any, dev: Any) -> Seen:
     return seen
 
 
-async def _gated(sim: _Simulated) -> Seen:
-    import asyncmetal as am
+def _on_cuda(
+    program: Callable[[Any, Any], Awaitable[Seen]],
+) -> Callable[[_Simulated], Awaitable[Seen]]:
+    """A scenario that runs ``program`` (any backend's) on the simulated ``cuda:0``."""
 
-    dev = await am.open_device("cuda:0")
-    try:
-        return await gated(am, dev)
-    finally:
-        with anyio.fail_after(20):
-            await dev.close()
+    async def scenario(sim: _Simulated) -> Seen:
+        import asyncmetal as am
+
+        dev = await am.open_device("cuda:0")
+        try:
+            return await program(am, dev)
+        finally:
+            with anyio.fail_after(20):
+                await dev.close()
+
+    return scenario
 
 
 async def held_signal(am: Any, dev: Any) -> Seen:
@@ -126,17 +134,6 @@ async def held_signal(am: Any, dev: Any) -> Seen:
     for target in (3, 5):
         seen[f"shared {target}"] = await _awaited(shared.wait(target))
     return seen
-
-
-async def _held_signal(sim: _Simulated) -> Seen:
-    import asyncmetal as am
-
-    dev = await am.open_device("cuda:0")
-    try:
-        return await held_signal(am, dev)
-    finally:
-        with anyio.fail_after(20):
-            await dev.close()
 
 
 MAX = (1 << 64) - 1
@@ -328,8 +325,8 @@ async def _made_wait_failing(sim: _Simulated) -> Seen:
 
 
 SCENARIOS = {
-    "gated": _gated,
-    "held_signal": _held_signal,
+    "gated": _on_cuda(gated),
+    "held_signal": _on_cuda(held_signal),
     "refused_wait": _refused_wait,
     "refused_wait_number": _refused_wait_number,
     "refused_wait_failing": _refused_wait_failing,
