@@ -10,6 +10,7 @@ import pathlib
 import subprocess
 import sys
 import time
+from typing import Any
 
 import anyio
 import numpy as np
@@ -221,17 +222,7 @@ async def test_a_command_refused_after_its_note_does_not_keep_a_failed_queue_uns
     refused one ran (none does). Checked failing without the note taken back: the host
     wait for q.submitted + 1 ran past its fail_after (TimeoutError)."""
     async with am.open_device("metal") as dev:
-        spin = await dev.compile(SPIN_UNTIL, "spin_until")
-        crash = await dev.compile(FAULTY, "crash")
-        fill = await dev.compile(MSL_KERNELS, "fill")
-        flag, buf = await dev.alloc(4), await dev.alloc(64)
-        await flag.write(np.zeros(1, np.int32))
-        view = np.frombuffer(dev._backend.host_view(flag._allocation.handle, 0, 4), np.int32)
-        q = dev.new_queue()
-        own = native_queue(q)
-        assert isinstance(own, MetalQueue)
-        q.launch(spin, flag)  # 1: holds the GPU until the flag is set
-        faulted = q.launch(crash, buf)  # 2: fails the queue
+        q, own, view, faulted, fill, buf = await _failing_behind_a_spin(dev)
 
         def refuse(*args: object, **kw: object) -> None:
             raise am.AsyncMetalError("commandBuffer returned nil (simulated)")
@@ -258,17 +249,7 @@ async def test_a_refused_command_settles_a_failed_queue_whose_handlers_all_ran(
     for q.submitted + 1 ran past its fail_after (TimeoutError); and with the note taken
     back but no settle there: the same."""
     async with am.open_device("metal") as dev:
-        spin = await dev.compile(SPIN_UNTIL, "spin_until")
-        crash = await dev.compile(FAULTY, "crash")
-        fill = await dev.compile(MSL_KERNELS, "fill")
-        flag, buf = await dev.alloc(4), await dev.alloc(64)
-        await flag.write(np.zeros(1, np.int32))
-        view = np.frombuffer(dev._backend.host_view(flag._allocation.handle, 0, 4), np.int32)
-        q = dev.new_queue()
-        own = native_queue(q)
-        assert isinstance(own, MetalQueue)
-        q.launch(spin, flag)  # 1: holds the GPU until the flag is set
-        faulted = q.launch(crash, buf)  # 2: fails the queue
+        q, own, view, faulted, fill, buf = await _failing_behind_a_spin(dev)
         lib = dev._backend.lib
         with own._buffers_lock:
             block = own._buffers[-1][2]
@@ -369,3 +350,23 @@ def test_a_held_handler_settles_a_queue_whose_event_was_released() -> None:
     )
     assert child.returncode == 0, child.stderr[-2000:]
     assert "settled" in child.stdout
+
+
+async def _failing_behind_a_spin(
+    dev: am.Device,
+) -> tuple[am.Queue, MetalQueue, np.ndarray[Any, Any], am.Completion, am.Program, am.Buffer]:
+    """A new queue of ``dev`` given a kernel that spins until the flag (``view[0] = 1``)
+    is set (1), then one that faults (2: ``faulted``, which fails the queue); also its
+    native queue, and ``fill`` with a buffer for a third launch."""
+    spin = await dev.compile(SPIN_UNTIL, "spin_until")
+    crash = await dev.compile(FAULTY, "crash")
+    fill = await dev.compile(MSL_KERNELS, "fill")
+    flag, buf = await dev.alloc(4), await dev.alloc(64)
+    await flag.write(np.zeros(1, np.int32))
+    view = np.frombuffer(dev._backend.host_view(flag._allocation.handle, 0, 4), np.int32)
+    q = dev.new_queue()
+    own = native_queue(q)
+    assert isinstance(own, MetalQueue)
+    q.launch(spin, flag)  # 1: holds the GPU until the flag is set
+    faulted = q.launch(crash, buf)  # 2: fails the queue
+    return q, own, view, faulted, fill, buf

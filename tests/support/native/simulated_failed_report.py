@@ -142,6 +142,24 @@ CLOSE_S = 10  # the device closes within this, or waits for good
 CU_WAIT_EVENT = 9  # the driver table's cuStreamWaitEvent (native/cuda_stream.h)
 
 
+def _wait_refused(sim: _Simulated, seen: Seen, code: int, waiting: Any, *wait: Any) -> None:
+    """``waiting.wait(*wait)`` with the first driver call it makes failing with ``code``:
+    how it ended (``seen["wait"]``) and which call that was (``"refused call"``)."""
+    import asyncmetal as am
+
+    sim.counted.value, sim.fail_at.value, sim.fail_code.value = 0, 1, code
+    sim.fake.fake_count_calls(1)
+    try:
+        waiting.wait(*wait)
+        seen["wait"] = "submitted"
+    except am.AsyncMetalError as exc:
+        seen["wait"] = _error(exc)
+    finally:
+        sim.fake.fake_count_calls(0)
+        sim.fail_at.value = 0
+    seen["refused call"] = sim.counted_order[0].decode()  # 'K': cuStreamWaitEvent
+
+
 async def _refused_wait(sim: _Simulated) -> Seen:
     """Queue ``first`` holds its stream on a device wait for ``gate`` (which only the
     host signals) with a marker in flight behind it; queue ``waiting`` waits for that
@@ -175,18 +193,10 @@ async def _refused_wait(sim: _Simulated) -> Seen:
         return code
 
     lib.am_cuq_wait_queue = refused
-    sim.counted.value, sim.fail_at.value, sim.fail_code.value = 0, 1, STICKY
-    sim.fake.fake_count_calls(1)
     try:
-        waiting.wait(first.timeline, ahead.value)
-        seen["wait"] = "submitted"
-    except am.AsyncMetalError as exc:
-        seen["wait"] = _error(exc)
+        _wait_refused(sim, seen, STICKY, waiting, first.timeline, ahead.value)
     finally:
-        sim.fake.fake_count_calls(0)
-        sim.fail_at.value = 0
         lib.am_cuq_wait_queue = real
-    seen["refused call"] = sim.counted_order[0].decode()  # 'K': cuStreamWaitEvent
     seen["close"] = "hung"
 
     def hung() -> None:  # (a close is not cancelled, and the exit's would wait too)
@@ -225,17 +235,7 @@ async def _refused_wait_number(sim: _Simulated) -> Seen:
         gate.signal(1)  # (only ever signalled by the host: the wait goes to the driver)
         doomed = first.wait(gate, 2)
         ahead = first.marker()
-        sim.counted.value, sim.fail_at.value, sim.fail_code.value = 0, 1, 1
-        sim.fake.fake_count_calls(1)
-        try:
-            waiting.wait(first.timeline, ahead.value)
-            seen["wait"] = "submitted"
-        except am.AsyncMetalError as exc:
-            seen["wait"] = _error(exc)
-        finally:
-            sim.fake.fake_count_calls(0)
-            sim.fail_at.value = 0
-        seen["refused call"] = sim.counted_order[0].decode()  # 'K': cuStreamWaitEvent
+        _wait_refused(sim, seen, 1, waiting, first.timeline, ahead.value)
         before = waiting.marker()
         gate.native.abandon(2, 2)
         seen["doomed"] = await _awaited(doomed)
