@@ -1800,9 +1800,10 @@ class Allocator:
                     for block in [*self._live, *self._foreign]
                     if any(q.timeline.device is not device for q in list(block.last_use))
                 )
-            for block in self._live:
-                attempt(self._close_block, block)
-            self._live.clear()
+            # Each taken off before its native free: a close run again after an
+            # interrupt here (Device._close_native) frees none twice.
+            while self._live:
+                attempt(self._close_block, self._live.pop())
             self._pending.clear()
             self._heaps.clear()
             self._unheaped.clear()

@@ -553,6 +553,7 @@ class CUDABackend(Backend):
             # (bounded: see LOAD_WAIT_S), their modules unloaded here with the others.
             with self._modules_lock:
                 self._loads.close()
-                modules, self._modules = self._modules, {}
-                for module in modules.values():
-                    cu.cuModuleUnload(module)
+                # Each taken off as it is unloaded: run again after an interrupt in
+                # this loop, the close unloads those left, and none twice.
+                while self._modules:
+                    cu.cuModuleUnload(self._modules.popitem()[1])

@@ -84,10 +84,12 @@ class Chunk:
             self._unmap()
 
     def _unmap(self) -> None:
-        mapped, view = _MAPPED.pop(self.address)
+        # (None: popped by a free an interrupt cut short -- its map went with its frame.)
+        mapped, view = _MAPPED.pop(self.address, (None, None))
         self.address = 0
         del view  # the map cannot close while a ctypes view holds its buffer
-        mapped.close()
+        if mapped is not None:
+            mapped.close()
 
     def track_uses(self) -> None:
         self.ready: CUDATimeline | None = None  # made by the first queue that stages
