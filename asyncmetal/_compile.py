@@ -565,6 +565,23 @@ def _not_scalar_typedefs(text: str) -> set[str]:
     }
 
 
+# A bfloat16's spellings (``__bf16``, CUDA's ``__nv_bfloat16``...).
+_BFLOAT = re.compile(r"bfloat|bf16")
+
+
+def _bfloat_typedefs(text: str) -> set[str]:
+    """The names ``text`` (stripped) typedefs as a bfloat16 (``_BFLOAT``), in any of the
+    ``#if`` branches that give a name types too (where ``typedefs`` knows it by none)."""
+    return {
+        each
+        for words, name, _ in statements(
+            _without_braces(text), _ANY_TYPEDEF, _TYPEDEF_WORD, _SEMICOLON
+        )
+        for typed, each in _value_declarators(words, name)
+        if _BFLOAT.search(typed)
+    }
+
+
 def _value_declarators(words: str, name: str) -> list[tuple[str, str]]:
     """Each declarator of a typedef (``words``, then its last name, ``name``) that is no
     pointer, array or function: what its type is spelled with, and its name. Where there
@@ -806,6 +823,7 @@ def refuse_non_scalars(src: str, name: str, values: list[str]) -> None:
     ``long double``, a bfloat16 (numpy has no such scalar)..."""
     known = typedefs(_strip(src))
     not_scalars = _not_scalar_typedefs(_strip(src))
+    bfloats = _bfloat_typedefs(_strip(src))
     for declaration in values:
         words = resolved(type_words(declaration), known)
         if TYPEOF_WORDS.intersection(words) and scalar_type(words, known) is None:
@@ -819,7 +837,7 @@ def refuse_non_scalars(src: str, name: str, values: list[str]) -> None:
         if (
             _NOT_A_SCALAR.search(" ".join(words)) or not_scalars.intersection(words)
         ) and scalar_type(words, known) is None:
-            bfloat = re.search(r"bfloat|bf16", " ".join(words))
+            bfloat = _BFLOAT.search(" ".join(words)) or bfloats.intersection(words)
             raise CompileError(
                 f"kernel {name!r}: parameter {declaration!r} is not a scalar that launch "
                 "values pass (an integer of 8, 16, 32 or 64 bits, a bool, a half, float or "
