@@ -138,6 +138,23 @@ def test_a_header_s_function_type_is_refused_by_the_compiler(cc: str, param: str
     assert "cookie_read_function_t" in str(info.value)
 
 
+async def test_a_header_s_function_type_is_refused_by_a_device_each_time(
+    anyio_backend: object,
+) -> None:
+    """Through a device and its compile cache: refused at each compile (no binary of the
+    source is kept to load), and the device goes on."""
+    src = "#define _GNU_SOURCE\n#include <stdio.h>\n" + HEADER_TYPES.replace(
+        "PARAM", "cookie_read_function_t f"
+    )
+    async with am.open_device("cpu") as device:
+        for _ in range(2):
+            with pytest.raises(am.CompileError, match="is a function pointer") as info:
+                await device.compile(src, "k")
+            assert info.value.name == "k" and "'cookie_read_function_t f'" in str(info.value)
+        kept = await device.compile(src.replace("cookie_read_function_t f", "sigset_t *s"), "k")
+        assert kept.params == ("buffer", "buffer")
+
+
 @pytest.mark.parametrize("cc", ["gcc", "clang"])
 def test_an_unnamed_parameter_of_a_function_type_is_refused(cc: str) -> None:
     """Unnamed (C23, and GNU C before it), the checks name it themselves."""
