@@ -565,6 +565,23 @@ def _not_scalar_typedefs(text: str) -> set[str]:
     }
 
 
+# A bfloat16's spellings (``__bf16``, CUDA's ``__nv_bfloat16``...).
+_BFLOAT = re.compile(r"bfloat|bf16")
+
+
+def _bfloat_typedefs(text: str) -> set[str]:
+    """The names ``text`` (stripped) typedefs as a bfloat16 (``_BFLOAT``), in any of the
+    ``#if`` branches that give a name types too (where ``typedefs`` knows it by none)."""
+    return {
+        each
+        for words, name, _ in statements(
+            _without_braces(text), _ANY_TYPEDEF, _TYPEDEF_WORD, _SEMICOLON
+        )
+        for typed, each in _value_declarators(words, name)
+        if _BFLOAT.search(typed)
+    }
+
+
 def _value_declarators(words: str, name: str) -> list[tuple[str, str]]:
     """Each declarator of a typedef (``words``, then its last name, ``name``) that is no
     pointer, array or function: what its type is spelled with, and its name. Where there
@@ -806,6 +823,7 @@ def refuse_non_scalars(src: str, name: str, values: list[str]) -> None:
     ``long double``, a bfloat16 (numpy has no such scalar)..."""
     known = typedefs(_strip(src))
     not_scalars = _not_scalar_typedefs(_strip(src))
+    bfloats = _bfloat_typedefs(_strip(src))
     for declaration in values:
         words = resolved(type_words(declaration), known)
         if TYPEOF_WORDS.intersection(words) and scalar_type(words, known) is None:
@@ -819,7 +837,7 @@ def refuse_non_scalars(src: str, name: str, values: list[str]) -> None:
         if (
             _NOT_A_SCALAR.search(" ".join(words)) or not_scalars.intersection(words)
         ) and scalar_type(words, known) is None:
-            bfloat = re.search(r"bfloat|bf16", " ".join(words))
+            bfloat = _BFLOAT.search(" ".join(words)) or bfloats.intersection(words)
             raise CompileError(
                 f"kernel {name!r}: parameter {declaration!r} is not a scalar that launch "
                 "values pass (an integer of 8, 16, 32 or 64 bits, a bool, a half, float or "
@@ -960,8 +978,9 @@ def signature_checks(
     a function of the source that is no kernel may return or take one. A return type's
     checks call the function with a 0 for each parameter (unevaluated): one whose
     parameters the source shows are no scalars or pointers is not checked; a parameter's
-    checks read a struct's member of its type. Derived from the source alone, so that a
-    compile's cache key, which the source is part of, keys them too. A parameter whose
+    checks read an object declared as it is (of a function type: its address). Derived
+    from the source alone, so that a compile's cache key, which the source is part of,
+    keys them too. A parameter whose
     type a typedef in an ``#if`` block makes (one the preprocessor may drop, the
     compiler seeing a header's instead) is checked to be what the source reads and a
     launch passes (``SignatureCheck.read``): a pointer, or a scalar of its size.
@@ -1053,8 +1072,10 @@ def signature_checks(
         # array: a header's array typedef, ``jmp_buf``, ``va_list``, would be read as a
         # pointer, or a pointer too large, where the parameter is a pointer a launch
         # value is not. The comma decays an array and leaves any other type as it is,
-        # less its qualifiers, which the comparison ignores but for clang's ``_Atomic``:
-        # it is made of the pointer class alone, which an array decays to)
+        # less its qualifiers, which the comparison ignores but for clang's ``_Atomic``,
+        # a type of its own there: an atomic pointer, ``_Atomic(sighandler_t)``, is
+        # compared with the atomic type of what the comma leaves too. Made of the
+        # pointer class alone, which an array decays to)
         # (a pointer to a function, of a header's or a macro's type, ``sighandler_t``:
         # a parameter declared of the type it points to is adjusted to a pointer to that
         # function, the pointer's own type, where one of any other pointee -- an
@@ -1068,7 +1089,8 @@ def signature_checks(
         )
         tested = {
             "array": f"{kind} == 5 && !__builtin_types_compatible_p(__typeof__({value}), "
-            f"__typeof__((0, {value})))",
+            f"__typeof__((0, {value}))) && !__builtin_types_compatible_p(__typeof__({value}), "
+            f"_Atomic(__typeof__((0, {value}))))",
             "record": record,
             "function": f"{kind} == 5 && __builtin_types_compatible_p(void (*)(__typeof__("
             f"*{pointer})), void (*)(__typeof__((0, {pointer}))))",
@@ -1118,23 +1140,29 @@ def signature_checks(
                 or not (unknown(typed) or apart.intersection(resolved(typed, read_known)))
             ):
                 continue
-            # (a struct's member of the type: a parameter is no object to read outside
-            # its function. Declared as the parameter is, where it is named -- its
-            # attributes, a function-like macro's type, ``TYPE(big) b``, read as the
-            # compiler reads them --, less a storage class; its type words alone, with a
-            # name of the checks' own, where it is not)
+            # (an object of the type declared, not defined: a parameter is no object to
+            # read outside its function. Declared as the parameter is, its name the
+            # checks' own -- its attributes, a function-like macro's type, ``TYPE(big)
+            # b``, read as the compiler reads them --, less a storage class; its type
+            # words alone, where it is not named. One of a function type, a header's
+            # ``cookie_read_function_t``, which no struct's member is, declares a
+            # function: the parameter is a pointer to it, the value its address)
             i = len(checked)
-            spelled = re.findall(r"\w+", _GNU_ATTRIBUTE.sub(" ", param))
+            value = f"asyncmetal_param_{i}"
+            masked = _GNU_ATTRIBUTE.sub(lambda m: " " * len(m.group()), param)
+            spelled = re.findall(r"\w+", masked)
             if len(spelled) > 1 and spelled[-1] not in typed:
-                declared, member = _REGISTER.sub(" ", param), spelled[-1]
+                at = list(re.finditer(rf"\b{spelled[-1]}\b", masked))[-1]
+                declared = _REGISTER.sub(" ", param[: at.start()] + value + param[at.end() :])
             else:
-                declared, member = f"{' '.join(typed)} asyncmetal_value", "asyncmetal_value"
+                declared = f"{' '.join(typed)} {value}"
+            adjusted = f"asyncmetal_adjusted_{i}"
             made = (
-                f"struct asyncmetal_param_{i} {{ {declared}; }}; "
-                f"extern struct asyncmetal_param_{i} asyncmetal_param_{i}; "
+                f"extern {declared}; enum {{ {adjusted} = __builtin_types_compatible_p("
+                f"void (*)(__typeof__({value})), void (*)(__typeof__(&{value}))) }}; "
             )
             what = SignatureCheck(name, " ".join(typed), param, read, place)
-            check(made, f"asyncmetal_param_{i}.{member}", what)
+            check(made, f"__builtin_choose_expr({adjusted}, &{value}, {value})", what)
         words = [w for w in words if w not in _NOT_RETURN_TYPE]
         if not unknown(words) and not (
             in_blocks.intersection(words) and not {"*", "&"}.intersection(words)
@@ -1422,8 +1450,9 @@ def refused_signature(log: str, checked: tuple[SignatureCheck, ...]) -> CompileE
         elif (i, "function") in named:
             what = (
                 "which the compiler says is a function pointer (a header's or a macro's "
-                "type of one): a launch passes it a buffer's address or an integer, no "
-                "function's, and a call through it would jump into data"
+                "type of one, or of a function, which a parameter takes as a pointer to "
+                "it: cookie_read_function_t): a launch passes it a buffer's address or an "
+                "integer, no function's, and a call through it would jump into data"
             )
             fix = "choose the function in the kernel (a switch on a value parameter)"
         elif param is None:

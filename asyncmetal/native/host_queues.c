@@ -333,65 +333,61 @@ static void count_starved(int64_t now) {
     atomic_store(&starved_until, now + hold);
 }
 
-/* A queue thread's watch on its own waits for a core. */
+/* A queue thread's watch on its own waits for a core. Its schedstat is opened for each
+ * read, every STARVE_WINDOW_NS at most (some 4 us more than a read of a file kept
+ * open): kept open, each live queue would hold one of the process's descriptors, and a
+ * thousand queues would take a thousand from its limit (often 1024). */
 typedef struct {
-    int fd;  /* its schedstat, or -1: not known here */
+    char path[64];       /* its schedstat, or "": not known here */
     int64_t at, waited;  /* when last read, and the total then */
     int waits;           /* the windows in a row that it mostly waited */
 } starve_watch;
 
-static int64_t run_queue_ns(int fd) {
+static int64_t run_queue_ns(const char *path) {
 #ifdef __linux__
     char buf[96];
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;  /* (out of descriptors for now: this window goes untold) */
     ssize_t n = pread(fd, buf, sizeof buf - 1, 0);
+    close(fd);
     long long run, waited;
     if (n <= 0) return -1;
     buf[n] = 0;
     return sscanf(buf, "%lld %lld", &run, &waited) == 2 ? (int64_t)waited : -1;
 #else
-    (void)fd;
+    (void)path;
     return -1;
 #endif
 }
 
 static void starve_watch_open(starve_watch *w) {
-    w->fd = -1;
+    w->path[0] = 0;
     w->waits = 0;
-#ifdef __linux__
-    /* /proc/thread-self names the calling thread as /proc's own PID namespace numbers
-     * it. Its id from gettid is of the thread's namespace: where /proc is an outer
-     * namespace's (a PID namespace made without mounting its own), no task of this
-     * process has that number there. (Linux before 3.17 has no thread-self.) */
-    w->fd = open("/proc/thread-self/schedstat", O_RDONLY | O_CLOEXEC);
-    if (w->fd < 0) {
-        char path[64];
-        snprintf(path, sizeof path, "/proc/self/task/%ld/schedstat", (long)syscall(SYS_gettid));
-        w->fd = open(path, O_RDONLY | O_CLOEXEC);
-    }
     w->at = now_ns();
-    if (w->fd >= 0 && (w->waited = run_queue_ns(w->fd)) < 0) {
-        close(w->fd);
-        w->fd = -1;
-    }
+#ifdef __linux__
+    /* /proc/thread-self names the calling thread (the queue thread, which alone reads
+     * it) as /proc's own PID namespace numbers it. Its id from gettid is of the
+     * thread's namespace: where /proc is an outer namespace's (a PID namespace made
+     * without mounting its own), no task of this process has that number there. (Linux
+     * before 3.17 has no thread-self.) */
+    snprintf(w->path, sizeof w->path, "/proc/thread-self/schedstat");
+    if ((w->waited = run_queue_ns(w->path)) >= 0) return;
+    snprintf(w->path, sizeof w->path, "/proc/self/task/%ld/schedstat",
+             (long)syscall(SYS_gettid));
+    if ((w->waited = run_queue_ns(w->path)) < 0) w->path[0] = 0;
 #endif
 }
 
 static void starve_watch_look(starve_watch *w) {
-    if (w->fd < 0) return;
+    if (!w->path[0]) return;
     int64_t now = now_ns();
     if (now - w->at < STARVE_WINDOW_NS) return;
-    int64_t waited = run_queue_ns(w->fd);
+    int64_t waited = run_queue_ns(w->path);
     if (waited < 0) return;
     w->waits = (waited - w->waited) * 4 > (now - w->at) * 3 ? w->waits + 1 : 0;
     if (w->waits >= 2) count_starved(now);
     w->at = now;
     w->waited = waited;
-}
-
-static void starve_watch_close(starve_watch *w) {
-#ifdef __linux__
-    if (w->fd >= 0) close(w->fd);
-#endif
 }
 
 /* A forked child runs none of them: the parent's queue threads do not exist there. */
@@ -420,9 +416,7 @@ static void *run(void *arg) {
     am_name_thread("asyncmetal-host");  /* a host queue's: its kernels run here */
     starve_watch starve;
     starve_watch_open(&starve);
-    void *r = run_commands(arg, &starve);
-    starve_watch_close(&starve);
-    return r;
+    return run_commands(arg, &starve);
 }
 
 static void *run_commands(am_queue *q, starve_watch *starve) {

@@ -390,6 +390,29 @@ async def test_a_bit_precise_integer_is_refused_naming_the_widths_taken(
 
 
 @pytest.mark.parametrize(
+    ("typedefs", "declaration"),
+    [
+        ("#ifdef WIDE\ntypedef float bf;\n#else\ntypedef __bf16 bf;\n#endif", "bf a"),
+        ("#if USE_BF\ntypedef __bf16 bf;\n#else\ntypedef _Float16 bf;\n#endif", "const bf a"),
+        ("#ifndef WIDE\ntypedef const __bf16 bf;\n#else\ntypedef float bf;\n#endif", "bf a"),
+    ],
+)
+async def test_a_bfloat16_typedef_in_if_branches_is_refused_with_the_float_hint(
+    anyio_backend: object, typedefs: str, declaration: str
+) -> None:
+    """A bfloat16 that ``#if`` branches typedef (another branch another type, so the
+    name is known by no one type) is refused as the source's own ``__bf16`` is, with the
+    hint to take a float. Checked: fails without the fix (the refusal ended "pass it in
+    a buffer", no hint)."""
+    source = f"{typedefs}\nvoid k(int* out, {declaration}) {{ out[0] = 1; }}"
+    async with am.open_device("cpu") as device:
+        with pytest.raises(am.CompileError, match="is not a scalar") as info:
+            await device.compile(source, "k")
+    assert repr(declaration) in str(info.value)
+    assert "take a float and convert it in the kernel" in str(info.value)
+
+
+@pytest.mark.parametrize(
     ("before", "returned", "refused"),
     [
         ("struct big { double a[8]; };", "struct big", True),
