@@ -664,10 +664,10 @@ class CPUQueue(NativeQueue):
         if not self._handle:
             raise NoHostMemoryError("am_queue_new returned NULL: no memory for a queue")
         # One collected unclosed -- made for a new_queue that an interrupt or an error
-        # stopped before anything held it -- would keep its thread (with the fd of its
-        # schedstat) and its memory for good: it is closed then, abandoned, so that the
-        # thread that collects it (any, a loop's too) never waits there for a device
-        # wait; one never handed out had nothing submitted anyway. A close detaches this.
+        # stopped before anything held it -- would keep its thread and its memory for
+        # good: it is closed then, abandoned, so that the thread that collects it (any,
+        # a loop's too) never waits there for a device wait; one never handed out had
+        # nothing submitted anyway. A close detaches this.
         self._release_dropped = weakref.finalize(self, lib.am_queue_close, self._handle, 1)
         self._release_dropped.atexit = False  # (open devices close theirs at exit)
         self._keep: KeepAlive = KeepAlive(timeline)
