@@ -611,6 +611,37 @@ static void cuq_fail_timeline(am_cuq *q) {
     am_timeline_fail_from(q->timeline, failed, error, value, cause);
 }
 
+/* q failing behind a failed wait (poisoned), with nothing in flight, holds the rest of
+ * its commands on the host behind a device wait held for what it waits for -- a wait
+ * that orders a later signal of a shared timeline after another queue's lower one
+ * (cuda_submit.c, cuq_wait_behind_skip), which may come only once the program saw this
+ * failure (a gate it raises then). Each held command is past the skip, so can only fail:
+ * q's timeline fails from its first failed value and rises through them now, as for
+ * the failed commands confirmed (cuq_run) -- their awaits raise at once, as a host
+ * queue's do. What they hold stays held, and is handed over, and confirmed, failed, as
+ * the hold ends (q->failed_through: confirmations at or below it fail although the
+ * timeline got there): a signal among them fails its timeline only then, after the
+ * lower value, which the timeline still gets first. Looked at wherever that state may
+ * come last: a held wait put back (cuq_drain, cuq_submit_then), a failed command
+ * confirmed (cuq_run, through cuq_drain). Its stream is not past them while the hold
+ * lasts: a device's close asks am_cuq_reached (cuda_submit.c) where it is instead of
+ * reading the timeline, and abandons q where what it waits for never runs. Nothing to
+ * take mu for on a queue that never failed so (q->skipped: set with q->poisoned, read
+ * without mu as the hand-overs do) -- every drain looks. Not under mu. */
+void cuq_report_held(am_cuq *q) {
+    if (!__atomic_load_n(&q->skipped, __ATOMIC_RELAXED)) return;
+    pthread_mutex_lock(&q->mu);
+    uint64_t skipped = __atomic_load_n(&q->skipped, __ATOMIC_RELAXED);
+    uint64_t through = q->held_tail ? q->held_tail->value : 0;
+    int report = q->poisoned && q->deferred && !q->count && q->held && q->stop != 2 &&
+                 skipped && q->held->value >= skipped && through > q->failed_through;
+    if (report) q->failed_through = through;
+    pthread_mutex_unlock(&q->mu);
+    if (!report) return;
+    cuq_fail_timeline(q);
+    am_timeline_poke(q->timeline, through);
+}
+
 /* A failed queue with nothing left in flight or held settles: its timeline (failed from
  * its first failed value) and word at UINT64_MAX, other queues' waits on it released.
  * Not under mu. */
@@ -713,6 +744,7 @@ void cuq_drain(am_cuq *q, uint64_t through, int most) {
     pthread_mutex_unlock(&q->mu);
     cuq_drop_refused(q, dropped, refused, refused_value);
     if (settle) cuq_settle(q);
+    cuq_report_held(q);
 }
 
 /* The fence behind a refused command part of which the driver has (cuda_submit.c,
@@ -1213,7 +1245,8 @@ static void *cuq_run(void *arg) {
         if (r && seen != UINT64_MAX && e.value <= seen) r = 0;
         if (e.fence && !r) r = q->error ? q->error : -2;  /* the refused command fails */
         uint64_t failed_from = e.value;
-        if (!r && q->poisoned && e.value >= q->poisoned && e.value > seen) {
+        if (!r && q->poisoned && e.value >= q->poisoned &&
+            (e.value > seen || e.value <= q->failed_through)) {
             /* It ran after a wait for a value never produced (or, behind a failed wait
              * held on the host, passed without running): it fails, and the queue
              * settles once its stream is past everything it was given. Its failure is
@@ -1229,7 +1262,7 @@ static void *cuq_run(void *arg) {
                 pthread_mutex_unlock(&q->mu);
                 cuq_fail_timeline(q);
                 am_timeline_poke(q->timeline, e.value);
-                cuq_drain(q, 0, 0);
+                cuq_drain(q, 0, 0);  /* (and cuq_report_held) */
                 continue;
             }
             r = q->skipped && q->skipped <= q->poisoned ? CU_HELD_FAILED : CU_WAITED_FAILED;
