@@ -216,13 +216,17 @@ void cuq_poison(am_cuq *q, uint64_t from, int error, uint64_t value, am_timeline
         uint64_t sure = cuq_sure(q, e->extra, e->value, e->extra_value);
         if (sure < e->extra_value) am_timeline_fail_from(e->extra, sure + 1, error, value, cause);
     }
+    /* A record whose driver call is being made (pending) is marked as it is counted,
+     * with no memory needed: its submitting thread passes the failure on if the wait was
+     * made (cuq_wait_made), and keeps no record of it otherwise -- unmarked, a made wait
+     * would be failed only once q settles. */
     size_t n = 0, i = 0;
-    for (am_cuwaiter *w = q->waiters; w; w = w->next) n += w->target >= from;
-    am_cuwaiter *hit = n ? malloc(n * sizeof *hit) : NULL;  /* none: they fail at q's settling */
+    for (am_cuwaiter *w = q->waiters; w; w = w->next)
+        if (w->target >= from && w->pending) w->failed = 1;
+        else n += w->target >= from;
+    am_cuwaiter *hit = n ? cuq_alloc(n * sizeof *hit) : NULL;  /* none: they fail at q's settling */
     for (am_cuwaiter *w = q->waiters; hit && w; w = w->next)
-        if (w->target >= from && w->pending) {
-            w->failed = 1;  /* (its submitting thread passes it on, if the wait was made) */
-        } else if (w->target >= from) {
+        if (w->target >= from && !w->pending) {
             hit[i++] = *w;
             atomic_fetch_add(&w->q->refs, 1);
         }

@@ -293,7 +293,8 @@ static inline int cuop_signals(const am_cuop *op) {
            !(op->flags & (CU_FINISH_PLAIN | CU_FINISH_WAITED));
 }
 
-/* Memory for operations held on the host and for the completion ring. The native test
+/* Memory for operations held on the host, for the completion ring and for a failure's
+ * list of the made waits it fails (cuda_completion.c, cuq_poison). The native test
  * harness builds with AM_TEST_ALLOC, its simulated driver defining am_test_alloc, to make
  * these allocations fail on demand. */
 #ifdef AM_TEST_ALLOC
