@@ -270,7 +270,12 @@ int cuq_waited(am_cuq *q, am_cuq *other, uint64_t target, uint64_t command) {
         am_cuwaiter *w = *p;
         if (w->target <= confirmed && confirmed != UINT64_MAX) {
             *p = w->next;
-            cuq_unref(w->q);  /* (never the last reference of a queue still waiting) */
+            /* The last reference of w->q where it closed and its owner let go of it
+             * (its records with other queues outlive it): freed here, under other->mu,
+             * it takes its own mu and those of queues freed with it (cuq_free: waiters
+             * dropped with `first` 0 take no other queue's mu) -- never other's, which
+             * the caller references -- and none of those can be held elsewhere. */
+            cuq_unref(w->q);
             free(w);
         } else {
             p = &w->next;
