@@ -466,6 +466,13 @@ class NativeQueue(ABC):
         default queue is (``DeviceState.default_queue``)."""
         return False
 
+    def reached(self) -> int | None:
+        """How far its commands got where its timeline says more (a device's close counts
+        from there, see ``_queue.completable``): commands it reported failed at once,
+        their values reached, but still holds behind a device wait that may never end.
+        None: as far as its timeline says."""
+        return None
+
     def launch_target(self) -> tuple[Any, ...] | None:
         """What the native extension's ``launch`` needs to submit this queue's common
         launches itself (``_native_contract.LAYOUTS`` lists the forms), or None: every launch goes

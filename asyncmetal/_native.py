@@ -160,6 +160,7 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "am_cuq_stats": (None, [c_p, ctypes.POINTER(c_u64)]),
     "am_cuq_set_shared": (None, [c_p]),
     "am_cuq_error": (c_int, [c_p, ctypes.POINTER(c_u64)]),
+    "am_cuq_reached": (c_u64, [c_p]),
     "am_cuq_cause": (c_p, [c_p, ctypes.POINTER(c_int), ctypes.POINTER(c_u64)]),
     "am_cuq_close": (None, [c_p, c_int]),
     "am_cuq_discard": (None, [c_p]),

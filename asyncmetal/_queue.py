@@ -1438,22 +1438,25 @@ def completable(
     wait on until it is past everything it was given (native/cuda_completion.c,
     cuq_poison: it settles then): stopped at a later wait, it stops before the failed
     one -- counted up to the later wait, a close would wait for it to report the
-    failed one, for good.
+    failed one, for good. Such a queue may also report what it holds on the host behind
+    a later wait before that wait ends (its timeline raised through it): counted from
+    where its commands really got (``NativeQueue.reached``), as are waits on its
+    timeline.
     """
     if records is None:
         records = {q: submitted_record(q) for q in queues}
     reach: dict[Timeline, int] = {}
-    limit = {q: q._timeline.value for q in queues}
+    limit = {q: _reached(q) for q in queues}
     position = dict.fromkeys(queues, 0)
     ops = {q: records[q][1] for q in queues}
     owner = {q._timeline: q for q in queues}
     failing: dict[Queue, int] = {}  # a queue's first wait that ended on a failed value
 
     def satisfied(timeline: Timeline, target: int) -> bool:
-        if timeline.value >= target or reach.get(timeline, 0) >= target:
-            return True
         queue = owner.get(timeline)
-        return queue is not None and limit[queue] >= target
+        if queue is not None and limit[queue] >= target:
+            return True  # (its limit: at least its value, but for what it only reported)
+        return (queue is None and timeline.value >= target) or reach.get(timeline, 0) >= target
 
     changed = True
     while changed:
@@ -1481,6 +1484,14 @@ def completable(
                 limit[q] = reached
                 changed = True
     return limit
+
+
+def _reached(queue: Queue) -> int:
+    """How far ``queue``'s commands got: its timeline's value, but for commands it
+    reported failed while still holding them (see ``NativeQueue.reached``)."""
+    value = queue._timeline.value
+    reached = queue._native.reached()
+    return value if reached is None else min(value, reached)
 
 
 def _ended_failed(timeline: Timeline, target: int) -> bool:

@@ -410,6 +410,7 @@ int am_cuq_failed_call(am_cuq *q);
 void am_cuq_stats(am_cuq *q, uint64_t *out);
 void am_cuq_set_shared(am_cuq *q);
 int am_cuq_error(am_cuq *q, uint64_t *value);
+uint64_t am_cuq_reached(am_cuq *q);
 void *am_cuq_cause(am_cuq *q, int *error, uint64_t *value);
 void am_cuq_close(am_cuq *q, int abandon);
 void am_cuq_discard(am_cuq *q);

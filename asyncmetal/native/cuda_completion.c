@@ -216,13 +216,17 @@ void cuq_poison(am_cuq *q, uint64_t from, int error, uint64_t value, am_timeline
         uint64_t sure = cuq_sure(q, e->extra, e->value, e->extra_value);
         if (sure < e->extra_value) am_timeline_fail_from(e->extra, sure + 1, error, value, cause);
     }
+    /* A record whose driver call is being made (pending) is marked as it is counted,
+     * with no memory needed: its submitting thread passes the failure on if the wait was
+     * made (cuq_wait_made), and keeps no record of it otherwise -- unmarked, a made wait
+     * would be failed only once q settles. */
     size_t n = 0, i = 0;
-    for (am_cuwaiter *w = q->waiters; w; w = w->next) n += w->target >= from;
-    am_cuwaiter *hit = n ? malloc(n * sizeof *hit) : NULL;  /* none: they fail at q's settling */
+    for (am_cuwaiter *w = q->waiters; w; w = w->next)
+        if (w->target >= from && w->pending) w->failed = 1;
+        else n += w->target >= from;
+    am_cuwaiter *hit = n ? cuq_alloc(n * sizeof *hit) : NULL;  /* none: they fail at q's settling */
     for (am_cuwaiter *w = q->waiters; hit && w; w = w->next)
-        if (w->target >= from && w->pending) {
-            w->failed = 1;  /* (its submitting thread passes it on, if the wait was made) */
-        } else if (w->target >= from) {
+        if (w->target >= from && !w->pending) {
             hit[i++] = *w;
             atomic_fetch_add(&w->q->refs, 1);
         }
@@ -266,7 +270,12 @@ int cuq_waited(am_cuq *q, am_cuq *other, uint64_t target, uint64_t command) {
         am_cuwaiter *w = *p;
         if (w->target <= confirmed && confirmed != UINT64_MAX) {
             *p = w->next;
-            cuq_unref(w->q);  /* (never the last reference of a queue still waiting) */
+            /* The last reference of w->q where it closed and its owner let go of it
+             * (its records with other queues outlive it): freed here, under other->mu,
+             * it takes its own mu and those of queues freed with it (cuq_free: waiters
+             * dropped with `first` 0 take no other queue's mu) -- never other's, which
+             * the caller references -- and none of those can be held elsewhere. */
+            cuq_unref(w->q);
             free(w);
         } else {
             p = &w->next;
@@ -611,6 +620,37 @@ static void cuq_fail_timeline(am_cuq *q) {
     am_timeline_fail_from(q->timeline, failed, error, value, cause);
 }
 
+/* q failing behind a failed wait (poisoned), with nothing in flight, holds the rest of
+ * its commands on the host behind a device wait held for what it waits for -- a wait
+ * that orders a later signal of a shared timeline after another queue's lower one
+ * (cuda_submit.c, cuq_wait_behind_skip), which may come only once the program saw this
+ * failure (a gate it raises then). Each held command is past the skip, so can only fail:
+ * q's timeline fails from its first failed value and rises through them now, as for
+ * the failed commands confirmed (cuq_run) -- their awaits raise at once, as a host
+ * queue's do. What they hold stays held, and is handed over, and confirmed, failed, as
+ * the hold ends (q->failed_through: confirmations at or below it fail although the
+ * timeline got there): a signal among them fails its timeline only then, after the
+ * lower value, which the timeline still gets first. Looked at wherever that state may
+ * come last: a held wait put back (cuq_drain, cuq_submit_then), a failed command
+ * confirmed (cuq_run, through cuq_drain). Its stream is not past them while the hold
+ * lasts: a device's close asks am_cuq_reached (cuda_submit.c) where it is instead of
+ * reading the timeline, and abandons q where what it waits for never runs. Nothing to
+ * take mu for on a queue that never failed so (q->skipped: set with q->poisoned, read
+ * without mu as the hand-overs do) -- every drain looks. Not under mu. */
+void cuq_report_held(am_cuq *q) {
+    if (!__atomic_load_n(&q->skipped, __ATOMIC_RELAXED)) return;
+    pthread_mutex_lock(&q->mu);
+    uint64_t skipped = __atomic_load_n(&q->skipped, __ATOMIC_RELAXED);
+    uint64_t through = q->held_tail ? q->held_tail->value : 0;
+    int report = q->poisoned && q->deferred && !q->count && q->held && q->stop != 2 &&
+                 skipped && q->held->value >= skipped && through > q->failed_through;
+    if (report) q->failed_through = through;
+    pthread_mutex_unlock(&q->mu);
+    if (!report) return;
+    cuq_fail_timeline(q);
+    am_timeline_poke(q->timeline, through);
+}
+
 /* A failed queue with nothing left in flight or held settles: its timeline (failed from
  * its first failed value) and word at UINT64_MAX, other queues' waits on it released.
  * Not under mu. */
@@ -713,6 +753,7 @@ void cuq_drain(am_cuq *q, uint64_t through, int most) {
     pthread_mutex_unlock(&q->mu);
     cuq_drop_refused(q, dropped, refused, refused_value);
     if (settle) cuq_settle(q);
+    cuq_report_held(q);
 }
 
 /* The fence behind a refused command part of which the driver has (cuda_submit.c,
@@ -1213,7 +1254,8 @@ static void *cuq_run(void *arg) {
         if (r && seen != UINT64_MAX && e.value <= seen) r = 0;
         if (e.fence && !r) r = q->error ? q->error : -2;  /* the refused command fails */
         uint64_t failed_from = e.value;
-        if (!r && q->poisoned && e.value >= q->poisoned && e.value > seen) {
+        if (!r && q->poisoned && e.value >= q->poisoned &&
+            (e.value > seen || e.value <= q->failed_through)) {
             /* It ran after a wait for a value never produced (or, behind a failed wait
              * held on the host, passed without running): it fails, and the queue
              * settles once its stream is past everything it was given. Its failure is
@@ -1229,7 +1271,7 @@ static void *cuq_run(void *arg) {
                 pthread_mutex_unlock(&q->mu);
                 cuq_fail_timeline(q);
                 am_timeline_poke(q->timeline, e.value);
-                cuq_drain(q, 0, 0);
+                cuq_drain(q, 0, 0);  /* (and cuq_report_held) */
                 continue;
             }
             r = q->skipped && q->skipped <= q->poisoned ? CU_HELD_FAILED : CU_WAITED_FAILED;

@@ -221,6 +221,12 @@ struct am_cuq {
      * not made (cuda_submit.c, cuq_wait_word): its end is then not confirmed as a wait's
      * (cuq_run_op). By the thread handing operations over (one at a time). */
     uint64_t unmade_wait;
+    /* Failing behind a failed wait, with nothing in flight and the rest held on the host
+     * behind a device wait held for what it waits for (a signal ordered after another
+     * queue's lower one): the last of those held commands, each of which can only fail,
+     * that its timeline was raised through, failed, before it was handed over (0: none;
+     * cuda_completion.c, cuq_report_held). Under mu. */
+    uint64_t failed_through;
     int cause_error;
     uint64_t cause_value;
     am_timeline *cause;
@@ -287,7 +293,8 @@ static inline int cuop_signals(const am_cuop *op) {
            !(op->flags & (CU_FINISH_PLAIN | CU_FINISH_WAITED));
 }
 
-/* Memory for operations held on the host and for the completion ring. The native test
+/* Memory for operations held on the host, for the completion ring and for a failure's
+ * list of the made waits it fails (cuda_completion.c, cuq_poison). The native test
  * harness builds with AM_TEST_ALLOC, its simulated driver defining am_test_alloc, to make
  * these allocations fail on demand. */
 #ifdef AM_TEST_ALLOC
@@ -377,6 +384,7 @@ AM_HIDDEN void cuq_settle(am_cuq *q);
 AM_HIDDEN void cuq_drop_refused(am_cuq *q, am_cuop *op, int error, uint64_t value);
 AM_HIDDEN void cuq_unkick(am_cuq *q, am_timeline *kick_on);
 AM_HIDDEN void cuq_drop_failed(am_cuq *q);
+AM_HIDDEN void cuq_report_held(am_cuq *q);
 AM_HIDDEN int cuq_waited(am_cuq *q, am_cuq *other, uint64_t target, uint64_t command);
 AM_HIDDEN void cuq_waiting(am_cuq *q, am_cuq *other, uint64_t target, uint64_t command);
 AM_HIDDEN void cuq_wait_made(am_cuq *q, am_cuq *other, uint64_t target, uint64_t command,

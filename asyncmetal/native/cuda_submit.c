@@ -580,7 +580,10 @@ int cuq_submit_then(am_cuq *q, const am_cuop *op, size_t size, const am_cuop *th
         q->nheld += end ? 2 : 1;
         atomic_fetch_add(&q->held_total, end ? 2 : 1);
         if (q->sleeping && cuq_can_drain(q)) pthread_cond_signal(&q->cv);
+        /* A command ended behind held commands reported failed: it can only fail too. */
+        int report = q->failed_through && (end ? end : copy)->kind == CUOP_FINISH;
         pthread_mutex_unlock(&q->mu);
+        if (report) cuq_report_held(q);
         return 0;
     }
     q->driving = 1;
@@ -651,6 +654,7 @@ int cuq_submit_then(am_cuq *q, const am_cuop *op, size_t size, const am_cuop *th
     pthread_mutex_unlock(&q->mu);
     if (discard) am_cuq_discard(q);
     if (failed) cuq_drop_failed(q);
+    if (held) cuq_report_held(q);
     if (part) {
         if (signals && !fenced && !kept)  /* (kept: it fails with the fence) */
             am_timeline_fail(refused->extra, refused->extra_value, r, op->value, q->timeline);
@@ -834,6 +838,22 @@ int am_cuq_error(am_cuq *q, uint64_t *value) {
     }
     pthread_mutex_unlock(&q->mu);
     return e;
+}
+
+/* How far q's stream really got, where its timeline says more: the value before the
+ * first command it still holds on the host behind a device wait once those commands
+ * were reported failed (cuda_completion.c, cuq_report_held: the timeline raised through
+ * them while the wait is held); else UINT64_MAX (as far as the timeline says). A
+ * device's close counts from there (CUDAQueue.reached): counted from the timeline, the
+ * queue would look finished, and its close (not abandoning) wait for the hold to end --
+ * for good where what it waits for never runs. Once the hold ended (q->deferred
+ * cleared), what it held is handed over behind a wait that is satisfied. */
+uint64_t am_cuq_reached(am_cuq *q) {
+    pthread_mutex_lock(&q->mu);
+    uint64_t reached = q->failed_through && q->deferred && q->held ? q->held->value - 1
+                                                                   : UINT64_MAX;
+    pthread_mutex_unlock(&q->mu);
+    return reached;
 }
 
 /* Stop the completion thread and release the queue; the stream is the caller's.

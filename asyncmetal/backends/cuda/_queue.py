@@ -504,6 +504,17 @@ class CUDAQueue(NativeQueue):
             return False  # (failing, reported before it settled: am_cuq_error says so)
         return self._first_error()[0] in (WAITED_FAILED, HELD_FAILED)
 
+    def reached(self) -> int | None:
+        # (Failing behind a failed wait, it reports what it holds on the host behind a
+        # signal's wait for another queue's lower signal before the hold ends:
+        # native/cuda_submit.c, am_cuq_reached. Its timeline is failed before it is
+        # raised through them, so a queue whose timeline never failed is asked nothing.)
+        q = self._q
+        if q is None or not self._failed_from.value:
+            return None
+        reached = int(self._lib.am_cuq_reached(q))
+        return None if reached == MAX_VALUE else reached
+
     def stats(self) -> dict[str, int]:
         """How this stream's completion thread worked: event queries; waits, after
         polling found a command unfinished, blocked on its blocking-sync event or with

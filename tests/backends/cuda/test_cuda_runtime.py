@@ -68,6 +68,7 @@ def test_cuda_queue_runtime_against_a_simulated_driver(tmp_path: Path, sanitizer
         *("ok", "waitrace2"),
         *("ok", "abandonrace"),
         *("ok", "waittaken"),
+        *("ok", "poisonoom"),
         *("ok", "chainclose"),
         *("ok", "signal"),
         *("ok", "signalrecord"),

@@ -50,24 +50,18 @@ def _check_held(seen: dict[str, object]) -> None:
     assert "will not reach 5" in str(seen["shared 5"]), seen
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a failed cuda queue's commands held on the host behind a lower signal's wait "
-    "fail only once that signal ran (README: 'waits for good on cuda')",
-)
 @pytest.mark.parametrize("loop", LOOPS)
 def test_a_failed_cuda_queue_reports_what_it_holds_behind_a_lower_signal(loop: str) -> None:
     """A queue failing behind a device wait, its later signal of a shared timeline held on
     the host for another queue's lower signal of it, which waits for a gate the program
     raises only after awaiting the failed queue's commands: the signal, a command after
-    it, and one submitted once those were awaited, should raise before the gate is
-    raised (as on cpu), the timeline still getting the lower value first -- below it
-    until the gate, reaching it, and failing only from the higher one. Not so yet:
-    "behind", "after" and "later" are still waiting after REPORT_S each. (Reporting
-    them by raising the queue's timeline through the held commands makes them raise,
-    but then the device's close takes the queue for one that finished -- completable
-    reads that timeline -- and closes it without abandoning: with the lower signal
-    never run, behind_a_failed_wait_stuck's close waits for good.)"""
+    it, and one submitted once those were awaited, raise before the gate is raised (as
+    on cpu); the timeline still gets the lower value first -- it stays below it until
+    the gate, reaches it, and fails only from the higher one. Checked: with the held
+    commands failed only once the hold ended, "behind", "after" and "later" were still
+    waiting after REPORT_S each. (Their report raises the queue's timeline through them:
+    test_simulated_queue_lifecycle's behind_a_failed_wait_stuck checks that a device's
+    close still abandons such a queue where the lower signal never runs.)"""
     harness.skip_without_compiler()
     seen = simulated_failed_report.run("held_signal", loop)
     _check_held(seen)

@@ -2613,6 +2613,58 @@ static void check_waittaken(void) {
     puts("ok waittaken");
 }
 
+/* A failure of a (its device wait on x's command 1, x abandoned) reaches b's wait on a's
+ * command 2 while b's driver call for it is being made -- b's record with a pending --
+ * and finds no memory for the list of the made waits it fails at once (c's: cuq_poison).
+ * b's record is marked failed all the same, so b fails from that wait as the driver
+ * takes it (cuq_wait_made), not only once a settles -- which a cannot before the check
+ * raises its gate. */
+static fake_queue poisonoom_b, poisonoom_a;
+static int poisonoom_r = -1;
+
+static void *poisonoom_wait(void *arg) {
+    (void)arg;
+    poisonoom_r = am_cuq_wait_queue(poisonoom_b.q, poisonoom_a.q, 2, 1);
+    return NULL;
+}
+
+static void check_poisonoom(void) {
+    fake_queue x = queue_new(), a = queue_new(), b = queue_new(), c = queue_new();
+    uint64_t *gates = calloc(2, sizeof(uint64_t)), *gate = gates, *x_gate = gates + 1;
+    if (gated_launch(x, x_gate, 1)) die("poisonoom: x's launch failed");
+    if (wait_queue(a, x, 1, 1) || gated_launch(a, gate, 2)) die("poisonoom: a failed at once");
+    if (wait_queue(c, a, 2, 1)) die("poisonoom: c's wait failed");
+    poisonoom_a = a;
+    poisonoom_b = b;
+    atomic_store(&wait_gate_on, b.s);  /* b's wait on a's event stays in the driver */
+    pthread_t thread;
+    pthread_create(&thread, NULL, poisonoom_wait, NULL);
+    for (int64_t look = 0; !atomic_load(&waits_in_driver); look_again(&look)) {}
+    atomic_store(&refuse_allocs, 1);
+    am_cuq_close(x.q, 1);  /* a fails from its wait (cuq_abandon_waiters, cuq_poison) */
+    if (atomic_exchange(&refuse_allocs, 0))
+        die("poisonoom: (setup) a's failure asked for no memory");
+    atomic_store(&wait_gate_on, NULL);
+    pthread_join(thread, NULL);
+    if (poisonoom_r) die("poisonoom: b's wait was refused");
+    pthread_mutex_lock(&b.q->mu);
+    int failed = b.q->poisoned == 1;
+    pthread_mutex_unlock(&b.q->mu);
+    if (!failed) die("poisonoom: b's wait, made after a failed, did not fail b at once");
+    if (am_cuq_finish(b.q, 1, a.t, 2, 0, CU_FINISH_PLAIN)) die("poisonoom: b's end failed");
+    atomic_store((_Atomic uint64_t *)x_gate, 1);
+    atomic_store((_Atomic uint64_t *)gate, 1);
+    reach(a.t, UINT64_MAX, "poisonoom: a never settled");
+    reach(b.t, UINT64_MAX, "poisonoom: b never settled");
+    reach(c.t, UINT64_MAX, "poisonoom: c never settled");
+    queue_free(a, 0);
+    queue_free(b, 0);
+    queue_free(c, 0);
+    abandoned_free(x);
+    free(gates);
+    puts("ok poisonoom");
+}
+
 /* Once b's thread saw both its commands (a wait, then a launch) end: whether its wait
  * passed as a success (b not settled failed). */
 static int wait_passed(fake_queue b, const char *what) {
@@ -4905,6 +4957,7 @@ int main(void) {
     check_waitrace2();
     check_abandonrace();
     check_waittaken();
+    check_poisonoom();
     check_chainclose();
     check_signal();
     check_signalrecord();
