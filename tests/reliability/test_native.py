@@ -161,8 +161,9 @@ def _threads_here() -> int:
 async def test_a_cpu_queue_collected_unclosed_releases_its_thread(anyio_backend: object) -> None:
     """A new_queue that fails once its native queue was made (here: its failure word
     not to be read; an interrupt there alike) hands out nothing, and nothing else holds
-    that queue: collected, its thread stops (with its memory), as does that of a CPUQueue made and dropped unclosed. Checked: without the
-    finalizer those threads stayed for good (the count never came back down)."""
+    that queue: collected, its thread stops (with its memory), as does that of a
+    CPUQueue made and dropped unclosed. Checked: without the finalizer those threads
+    stayed for good (the count never came back down)."""
     async with am.open_device("cpu") as dev:
         await dev.queue.marker()
         before = _threads_here()
