@@ -508,11 +508,15 @@ class CUDAQueue(NativeQueue):
         # (Failing behind a failed wait, it reports what it holds on the host behind a
         # signal's wait for another queue's lower signal before the hold ends:
         # native/cuda_submit.c, am_cuq_reached. Its timeline is failed before it is
-        # raised through them, so a queue whose timeline never failed is asked nothing.)
-        q = self._q
-        if q is None or not self._failed_from.value:
+        # raised through them, so a queue whose timeline never failed is asked nothing.
+        # Asked under _closing: a close on another thread frees the native queue once it
+        # took it, and a device's close counts every device's queues.)
+        if not self._failed_from.value:
             return None
-        reached = int(self._lib.am_cuq_reached(q))
+        with self._closing:
+            if self._q is None:
+                return None
+            reached = int(self._lib.am_cuq_reached(self._q))
         return None if reached == MAX_VALUE else reached
 
     def stats(self) -> dict[str, int]:

@@ -69,6 +69,22 @@ def test_a_failed_cuda_queue_reports_what_it_holds_behind_a_lower_signal(loop: s
     assert seen["shared 3"] == "done", seen
 
 
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_close_on_another_thread_waits_for_a_failed_queue_asked_how_far_it_got(
+    loop: str,
+) -> None:
+    """A failed cuda queue holding a signal behind a lower one is asked how far its
+    commands got (a device's close counts every device's queues so) while another thread
+    closes it: the close waits for the question (the native queue it frees is not asked
+    after), and the question is answered. Checked: without the fix the close freed the
+    queue while the question was in the native call ("closed while asked": True)."""
+    harness.skip_without_compiler()
+    seen = simulated_failed_report.run("reached_while_closing", loop)
+    assert "discard=True" in str(seen["doomed"]), seen
+    assert seen["closed while asked"] is False, seen
+    assert seen["asked"] not in ("[]", "[None]"), seen
+
+
 @pytest.mark.anyio
 async def test_a_failed_cpu_queue_reports_what_it_holds_behind_a_lower_signal() -> None:
     """The same program on cpu, whose failed queue's commands fail at once (its failed

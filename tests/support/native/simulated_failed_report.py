@@ -14,6 +14,8 @@ SCENARIO saw, as JSON, on its last line (``run`` runs it, and reads that).
 - ``refused_wait_number``: a queue's device wait on another queue's command in flight,
   refused by the driver (not a fault: the device still works), that queue failing at
   or below the value waited for only after the refusal returned.
+- ``reached_while_closing``: as ``held_signal``, the failed queue asked how far its
+  commands got (a device's close counts from there) while another thread closes it.
 - ``refused_wait_failing``: as ``refused_wait_number``, that queue failing and settling
   while the refused wait's driver call is in the driver; ``made_wait_failing``: the
   same, the driver taking the wait.
@@ -133,6 +135,63 @@ async def held_signal(am: Any, dev: Any) -> Seen:
     seen["lower"] = await _awaited(lower)
     for target in (3, 5):
         seen[f"shared {target}"] = await _awaited(shared.wait(target))
+    return seen
+
+
+class _HeldLib:
+    """A queue's native library, its ``am_cuq_reached`` held until ``release`` is set
+    (``asking`` set meanwhile), its ``am_cuq_close`` noting whether it came while one
+    was held. A close that came first leaves the held call unmade (its queue freed)."""
+
+    def __init__(self, lib: Any) -> None:
+        self._lib = lib
+        self.asking, self.release = threading.Event(), threading.Event()
+        self.closed_while_asked = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._lib, name)
+
+    def am_cuq_reached(self, q: Any) -> int:
+        self.asking.set()
+        self.release.wait(REPORT_S)
+        return MAX if self.closed_while_asked else int(self._lib.am_cuq_reached(q))
+
+    def am_cuq_close(self, q: Any, abandon: int) -> None:
+        if self.asking.is_set() and not self.release.is_set():
+            self.closed_while_asked = True
+        self._lib.am_cuq_close(q, abandon)
+
+
+async def reached_while_closing(am: Any, dev: Any) -> Seen:
+    """``held_signal``'s failed queue, once its failed wait was awaited: how far its
+    commands got asked on one thread (held in the native call) while another closes the
+    queue; whether the close went on to free the native queue meanwhile, and how the
+    question ended."""
+    seen: Seen = {}
+    waiting, discarded, other = dev.new_queue(), dev.new_queue(), dev.new_queue()
+    gate, shared = dev.timeline(), dev.timeline()
+    discarded.wait(gate, 1)
+    doomed = waiting.wait(discarded.timeline, 1)
+    other.wait(gate, 2)
+    other.signal(shared, 3)
+    waiting.signal(shared, 5)
+    await discarded.close(discard=True)
+    seen["doomed"] = await _awaited(doomed)
+    native = waiting._native
+    held = native._lib = _HeldLib(native._lib)
+    asked: list[object] = []
+    asker = threading.Thread(target=lambda: asked.append(native.reached()))
+    asker.start()
+    held.asking.wait(REPORT_S)
+    closer = threading.Thread(target=native.close, args=(True,))
+    closer.start()
+    closer.join(0.5)  # (long enough for a close not held back to free the queue)
+    seen["closed while asked"] = held.closed_while_asked
+    held.release.set()
+    asker.join(REPORT_S)
+    closer.join(REPORT_S)
+    seen["asked"] = repr(asked)
+    gate.signal(2)
     return seen
 
 
@@ -327,6 +386,7 @@ async def _made_wait_failing(sim: _Simulated) -> Seen:
 SCENARIOS = {
     "gated": _on_cuda(gated),
     "held_signal": _on_cuda(held_signal),
+    "reached_while_closing": _on_cuda(reached_while_closing),
     "refused_wait": _refused_wait,
     "refused_wait_number": _refused_wait_number,
     "refused_wait_failing": _refused_wait_failing,
