@@ -43,8 +43,8 @@ STORAGE_SHARED = 0  # MTLResourceStorageModeShared
 STATUS_ERROR = 5  # MTLCommandBufferStatusError
 MAX_IN_FLIGHT = 1000  # the queues are made with room for 1024 command buffers
 # A queue's thread holding a wait looks at its timeline again this often whatever (it
-# is woken when the timeline moves, and when the queue discards), and at whether its
-# queue failed before the wait (which wakes it not: see _host_wait).
+# is woken when the timeline moves, when the queue discards, and when a command of its
+# queue fails: see _park).
 HOST_WAIT_NAP_NS = 1_000_000_000
 # amrt.h, am_host_wait's `committed`: what makes a wait held on the host ready -- its
 # timeline got there or failed for it; or also a committed command buffer that signals
@@ -1002,14 +1002,28 @@ class MetalQueue(NativeQueue):
             stop = self._discarding or self._dropping
             self._host_waiting = None if stop else wait
         flag = ctypes.byref(self._stop_host_wait)
+        lib, own = self._backend.lib, self._timeline.c_timeline
+        # The count of the queue's failed commands looked at (am_metal_host_wait): one
+        # that fails as the wait is held wakes it, to look again before the nap ends.
+        # (0: the first wait ends at once if any failed ever, and the look follows.)
+        seen = ctypes.c_uint64(0)
         try:
             while (
                 not stop
                 and not self._flush_waited(wait)
-                # (a failure that comes meanwhile wakes nothing here: seen after a nap)
                 and not (behind and self._failed_before(behind))
-                and not self._backend.lib.am_host_wait(
-                    wait.c_timeline, target, mode, flag, HOST_WAIT_NAP_NS
+                and not (
+                    lib.am_metal_host_wait(
+                        own,
+                        ctypes.byref(seen),
+                        wait.c_timeline,
+                        target,
+                        mode,
+                        flag,
+                        HOST_WAIT_NAP_NS,
+                    )
+                    if behind
+                    else lib.am_host_wait(wait.c_timeline, target, mode, flag, HOST_WAIT_NAP_NS)
                 )
             ):
                 stop = bool(self._stop_host_wait.value)

@@ -31,49 +31,40 @@ pytestmark = [pytest.mark.metal, sim_only]
 
 
 async def test_another_queues_gpu_wait_on_a_failed_queue_ends_as_it_settles(
-    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+    anyio_backend: object,
 ) -> None:
     """A queue whose kernel faulted, with more submitted behind it, fails its timeline
     from the faulted command on; another queue's wait for a value beyond what it was
     given is then made on the GPU (the timeline failed for it), on the queue's event.
     Once the failed queue's last command completed, its timeline and its event settle
     at 2**64 - 1: that GPU wait ends, and the waiting queue fails from it on. Checked
-    failing without the settle (q's timeline stayed at 4), and with the native
-    timeline's settle but not the event's: the event stayed at 4, and without that
+    failing without the settle (q's timeline stayed at 2), and with the native
+    timeline's settle but not the event's: the event stayed at 2, and without that
     assertion the waiting queue's launch was never done (its GPU waited on the event
     for good) and the fail_after ran out."""
-    # A wait held when the queue fails is dropped once the thread looks again, after a
-    # nap: here it looks only when the gate moves.
-    monkeypatch.setattr(metal_queue, "HOST_WAIT_NAP_NS", 600_000_000_000)
     async with am.open_device("metal") as dev:
         crash = await dev.compile(FAULTY, "crash")
+        spin = await dev.compile(SPIN_UNTIL, "spin_until")
         fill = await dev.compile(MSL_KERNELS, "fill")
-        buf, gate = await dev.alloc(64), dev.timeline()
+        flag, buf = await dev.alloc(4), await dev.alloc(64)
+        await flag.write(np.zeros(1, np.int32))
+        view = np.frombuffer(dev._backend.host_view(flag._allocation.handle, 0, 4), np.int32)
         q, q2 = dev.new_queue(), dev.new_queue()
         own = native_queue(q)
         assert isinstance(own, MetalQueue)
-        # Each held on q's own thread until the host signals the gate that far, the
-        # second held already as the first command fails (its handler held back till
-        # then): q has its last command still to commit once the first has failed.
-        q.wait(gate, 1)
+        # The first command fails the queue; the second, its last, runs until the flag is
+        # set: q has its last command still to complete once the first has failed.
         faulted = q.launch(crash, buf)
-        q.wait(gate, 2)
-        last = q.launch(fill, buf, vals=(1, 16))
-        metal_sim.hold_handlers(own._queue, True)
-        try:
-            gate.signal(1)
-            await _until(lambda: own._host_waiting is gate.native)
-        finally:
-            metal_sim.hold_handlers(own._queue, False)
+        last = q.launch(spin, flag)
         with anyio.fail_after(5), pytest.raises(am.DeviceLostError, match="crash faulted"):
             await faulted
-        assert q.timeline.value < MAX_VALUE  # (not settled: its last command is held)
+        assert q.timeline.value < MAX_VALUE  # (not settled: its last command runs)
         q2.wait(q.timeline, 1000)  # failed for it: made on the GPU, on q's event
         behind = q2.launch(fill, buf, vals=(2, 16))
         try:
             await anyio.wait_all_tasks_blocked()
             assert not behind.done()
-            gate.signal(2)
+            view[0] = 1
             with anyio.fail_after(5), pytest.raises(am.DeviceLostError, match="crash faulted"):
                 await last
             assert q.timeline.value == MAX_VALUE
@@ -81,6 +72,7 @@ async def test_another_queues_gpu_wait_on_a_failed_queue_ends_as_it_settles(
             with anyio.fail_after(5), pytest.raises(am.DeviceLostError, match="device-side wait"):
                 await behind
         finally:  # (failed, the GPU's wait would hold up the device's close for good)
+            view[0] = 1
             own._timeline.signal(MAX_VALUE)
         with anyio.fail_after(5), pytest.raises(am.ClosedResourceError, match="settled without"):
             await q.timeline.wait(1000)
@@ -181,11 +173,14 @@ async def test_a_wait_behind_a_failed_wait_is_not_held(anyio_backend: object) ->
 
 async def test_a_held_wait_is_dropped_once_its_queue_fails(anyio_backend: object) -> None:
     """A wait the Metal queue's thread already holds (for a timeline nobody signals) when
-    a command before it fails is dropped then (once the thread looks again, after a
-    nap): the commands behind it fail with that command's error, and the queue settles.
-    The fault's handler is held back until the thread holds the wait. Checked failing
-    without the drop: the launch behind the wait was never done (held with the wait)
-    and the fail_after ran out."""
+    a command before it fails is dropped then -- at once: the failure wakes the thread,
+    well within its nap (HOST_WAIT_NAP_NS, left at its default) -- the commands behind
+    it fail with that command's error, and the queue settles. The fault's handler is
+    held back until the thread holds the wait. Checked failing without the drop: the
+    launch behind the wait was never done (held with the wait) and the fail_after ran
+    out; and without the wake: the launch behind the wait was done only after the nap
+    (about 1 s), past the bound."""
+    assert metal_queue.HOST_WAIT_NAP_NS >= 1_000_000_000
     async with am.open_device("metal") as dev:
         crash = await dev.compile(FAULTY, "crash")
         fill = await dev.compile(MSL_KERNELS, "fill")
@@ -202,6 +197,10 @@ async def test_a_held_wait_is_dropped_once_its_queue_fails(anyio_backend: object
             await _until(lambda: own._host_waiting is never.native)
         finally:
             metal_sim.hold_handlers(own._queue, False)
+            released = time.monotonic()
+        with anyio.fail_after(5), pytest.raises(am.DeviceLostError, match="crash faulted"):
+            await launched
+        assert time.monotonic() - released < 0.3  # (the nap: 1 s)
         for done in (faulted, launched, signal):
             with anyio.fail_after(5), pytest.raises(am.DeviceLostError, match="crash faulted"):
                 await done
