@@ -490,14 +490,21 @@ class MetalQueue(NativeQueue):
         """The worker's step for ``command`` raised: the command fails with ``error``. An
         empty command buffer takes its place, so that the queue's timeline still gets
         there in order (with the waits it was to carry); a timeline it was to signal
-        fails."""
+        fails. That commit refused too (a nil command buffer), no handler of the command
+        runs: its note is taken back, as a refusal at submission's is (_unnote), and the
+        timeline it was to signal fails all the same."""
         value, record, then = command
         self._step_errors[value] = keep_error(error)
-        self._commit(value, lambda cb: None, None, None, record, None)
-        if then is not None:
-            self._backend.lib.am_timeline_fail(
-                then[0], then[1], AM_COMMAND_FAILED, value, self._timeline.c_timeline
-            )
+        try:
+            self._commit(value, lambda cb: None, None, None, record, None)
+        except BaseException:
+            self._unnote(value)
+            raise
+        finally:
+            if then is not None:
+                self._backend.lib.am_timeline_fail(
+                    then[0], then[1], AM_COMMAND_FAILED, value, self._timeline.c_timeline
+                )
 
     def _encode_and_commit(
         self,

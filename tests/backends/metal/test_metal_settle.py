@@ -9,6 +9,7 @@ from __future__ import annotations
 import pathlib
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -21,7 +22,7 @@ from asyncmetal._queue import native_queue
 from asyncmetal._timeline import MAX_VALUE
 from asyncmetal.backends.metal import _queue as metal_queue
 from asyncmetal.backends.metal._queue import MetalQueue
-from tests.backends.metal.test_metal import FAULTY, SPIN_UNTIL, sim_only
+from tests.backends.metal.test_metal import FAULTY, SPIN_UNTIL, sim_only, unwrapped
 from tests.backends.metal.test_metal_races import _until
 from tests.support.fakes import metal_sim
 from tests.support.kernels import KERNELS, MSL_KERNELS
@@ -276,6 +277,49 @@ async def test_a_refused_command_settles_a_failed_queue_whose_handlers_all_ran(
         with anyio.fail_after(5), pytest.raises(am.ClosedResourceError, match="settled without"):
             await q.timeline.wait(q.submitted + 1)
         assert q.timeline.value == MAX_VALUE
+
+
+async def test_a_step_refused_twice_on_the_queues_thread_does_not_keep_a_failed_queue_unsettled(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A command whose step on the queue's own thread raises is replaced by an empty
+    command buffer (MetalQueue._step_failed); where that commit is refused too (here both
+    raise, as a nil command buffer does), no handler of the command runs: its note is
+    taken back, and the failed queue settles once its last committed command completed.
+    The command fails with its step's error. Checked failing without the note taken
+    back there: the host wait for q.submitted + 1 ran past its fail_after
+    (TimeoutError), q's timeline left at 2."""
+    unwrapped(monkeypatch)  # (the copy below is staged on the queue's own thread)
+    reported: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: reported.append(args.exc_value))
+    async with am.open_device("metal") as dev:
+        q, own, view, faulted, _, buf = await _failing_behind_a_spin(dev)
+
+        def refuse(*args: object, **kw: object) -> None:
+            raise am.AsyncMetalError("commandBuffer returned nil (simulated)")
+
+        own._encode_and_commit = refuse  # type: ignore[method-assign]
+        try:
+            copied = q.copy(buf, np.zeros(16, np.int32))  # 3: its step waits for 2 to run
+            view[0] = 1
+            await _until(lambda: reported)  # (the empty commit's refusal, reported)
+        finally:
+            del own._encode_and_commit
+            view[0] = 1
+        try:
+            assert isinstance(reported[0], am.AsyncMetalError)
+            with anyio.fail_after(5), pytest.raises(am.DeviceLostError, match="crash faulted"):
+                await faulted
+            with (
+                anyio.fail_after(5),
+                pytest.raises(am.ClosedResourceError, match="settled without"),
+            ):
+                await q.timeline.wait(q.submitted + 1)
+            assert q.timeline.value == MAX_VALUE
+            with anyio.fail_after(5), pytest.raises(am.AsyncMetalError, match="simulated"):
+                await copied
+        finally:  # (unsettled, command 3 would never be done: the close would wait for it)
+            own._timeline.signal(MAX_VALUE)
 
 
 # Run in a child: the simulated Metal aborts the interpreter on a message to a released
