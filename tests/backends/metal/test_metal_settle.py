@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from ctypes import c_uint64
 from typing import Any
 
 import anyio
@@ -21,6 +22,7 @@ import asyncmetal as am
 from asyncmetal._queue import native_queue
 from asyncmetal._timeline import MAX_VALUE
 from asyncmetal.backends.metal import _queue as metal_queue
+from asyncmetal.backends.metal._objc import send
 from asyncmetal.backends.metal._queue import MetalQueue
 from tests.backends.metal.test_metal import FAULTY, SPIN_UNTIL, sim_only, unwrapped
 from tests.backends.metal.test_metal_races import _until
@@ -39,33 +41,47 @@ async def test_another_queues_gpu_wait_on_a_failed_queue_ends_as_it_settles(
     given is then made on the GPU (the timeline failed for it), on the queue's event.
     Once the failed queue's last command completed, its timeline and its event settle
     at 2**64 - 1: that GPU wait ends, and the waiting queue fails from it on. Checked
-    failing without the settle (q's timeline stayed at 2), and with the native
-    timeline's settle but not the event's: the event stayed at 2, and without that
+    failing without the settle (q's timeline stayed at 3), and with the native
+    timeline's settle but not the event's: the event stayed at 3, and without that
     assertion the waiting queue's launch was never done (its GPU waited on the event
     for good) and the fail_after ran out."""
     async with am.open_device("metal") as dev:
         crash = await dev.compile(FAULTY, "crash")
-        spin = await dev.compile(SPIN_UNTIL, "spin_until")
         fill = await dev.compile(MSL_KERNELS, "fill")
-        flag, buf = await dev.alloc(4), await dev.alloc(64)
-        await flag.write(np.zeros(1, np.int32))
-        view = np.frombuffer(dev._backend.host_view(flag._allocation.handle, 0, 4), np.int32)
+        buf, gate = await dev.alloc(64), dev.timeline()
         q, q2 = dev.new_queue(), dev.new_queue()
         own = native_queue(q)
         assert isinstance(own, MetalQueue)
-        # The first command fails the queue; the second, its last, runs until the flag is
-        # set: q has its last command still to complete once the first has failed.
-        faulted = q.launch(crash, buf)
-        last = q.launch(spin, flag)
+        # The gate's event at 1 through a committed signal (as another queue's), its
+        # native mirror not yet (that queue's handler has not run): q's wait for it goes
+        # to the GPU, which passes it, and the completion of the buffer that carries it
+        # -- q's last command, after the one that faults -- is held until the mirror
+        # gets there: q has its last command still to complete once the first failed.
+        lib = dev._backend.lib
+        lib.am_signal_committed(gate.native.c_timeline, 1)
+        send(gate.native.event, "setSignaledValue:", 1, restype=None, argtypes=(c_uint64,))
+        # (the handlers held while they are submitted: the fault's, run before the rest
+        # was noted, would settle q then)
+        metal_sim.hold_handlers(own._queue, True)
+        try:
+            faulted = q.launch(crash, buf)
+            q.wait(gate, 1)
+            last = q.launch(fill, buf, vals=(1, 16))
+        finally:
+            metal_sim.hold_handlers(own._queue, False)
         with anyio.fail_after(5), pytest.raises(am.DeviceLostError, match="crash faulted"):
             await faulted
-        assert q.timeline.value < MAX_VALUE  # (not settled: its last command runs)
+        assert q.timeline.value < MAX_VALUE  # (not settled: its last handler is held)
+
+        def signal_gate(value: int) -> None:  # (the mirror, as that queue's handler would)
+            lib.am_timeline_signal(gate.native.c_timeline, value)
+
         q2.wait(q.timeline, 1000)  # failed for it: made on the GPU, on q's event
         behind = q2.launch(fill, buf, vals=(2, 16))
         try:
             await anyio.wait_all_tasks_blocked()
             assert not behind.done()
-            view[0] = 1
+            signal_gate(1)
             with anyio.fail_after(5), pytest.raises(am.DeviceLostError, match="crash faulted"):
                 await last
             assert q.timeline.value == MAX_VALUE
@@ -73,7 +89,7 @@ async def test_another_queues_gpu_wait_on_a_failed_queue_ends_as_it_settles(
             with anyio.fail_after(5), pytest.raises(am.DeviceLostError, match="device-side wait"):
                 await behind
         finally:  # (failed, the GPU's wait would hold up the device's close for good)
-            view[0] = 1
+            signal_gate(1)
             own._timeline.signal(MAX_VALUE)
         with anyio.fail_after(5), pytest.raises(am.ClosedResourceError, match="settled without"):
             await q.timeline.wait(1000)
@@ -320,6 +336,55 @@ async def test_a_step_refused_twice_on_the_queues_thread_does_not_keep_a_failed_
                 await copied
         finally:  # (unsettled, command 3 would never be done: the close would wait for it)
             own._timeline.signal(MAX_VALUE)
+
+
+async def test_a_signal_refused_twice_on_the_queues_thread_fails_its_timeline(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A signal committed from the queue's own thread (behind a staged copy held there)
+    whose commit is refused, and its empty command buffer's too, fails the timeline it
+    was to signal -- a wait on it raises rather than wait for good -- and takes its
+    note back: the failed queue settles once its last committed command (the copy)
+    completed. Checked failing with the timeline failed only after a commit that
+    succeeded: the wait on it ran past its fail_after (TimeoutError); and without the
+    note taken back: the signal's own await did (its value never came)."""
+    unwrapped(monkeypatch)  # (the copy below is staged on the queue's own thread)
+    reported: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: reported.append(args.exc_value))
+    async with am.open_device("metal") as dev:
+        q, own, view, faulted, _, buf = await _failing_behind_a_spin(dev)
+        signalled = dev.timeline()
+        commit = own._encode_and_commit
+
+        def refuse_the_signal(value: int, *args: Any, **kw: Any) -> None:
+            if value == 4:
+                raise am.AsyncMetalError("commandBuffer returned nil (simulated)")
+            commit(value, *args, **kw)
+
+        own._encode_and_commit = refuse_the_signal  # type: ignore[method-assign]
+        try:
+            q.copy(buf, np.zeros(16, np.int32))  # 3: its step waits for 2 to run
+            signal = q.signal(signalled, 1)  # 4: behind it, on the queue's own thread
+            view[0] = 1
+            await _until(lambda: reported)  # (the empty commit's refusal, reported)
+        finally:
+            del own._encode_and_commit
+            view[0] = 1
+        try:
+            with anyio.fail_after(5), pytest.raises(am.AsyncMetalError, match="simulated"):
+                await signal
+            with anyio.fail_after(5), pytest.raises(am.AsyncMetalError, match=r"command 4 .* nil"):
+                await signalled.wait(1)
+            with (
+                anyio.fail_after(5),
+                pytest.raises(am.ClosedResourceError, match="settled without"),
+            ):
+                await q.timeline.wait(q.submitted + 1)
+            with anyio.fail_after(5), pytest.raises(am.DeviceLostError, match="crash faulted"):
+                await faulted
+        finally:  # (unsettled, command 4 would never be done: the close would wait for it)
+            own._timeline.signal(MAX_VALUE)
+            signalled.native.signal(MAX_VALUE)
 
 
 # Run in a child: the simulated Metal aborts the interpreter on a message to a released
