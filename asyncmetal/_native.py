@@ -177,6 +177,7 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "am_blocks_wait": (c_u64, [c_u64, ctypes.c_int64]),
     "am_host_wait": (c_int, [c_p, c_u64, c_int, c_p, ctypes.c_int64]),
     "am_host_wait_stop": (None, [c_p, c_p]),
+    "am_metal_host_wait": (c_int, [c_p, c_p, c_p, c_u64, c_int, c_p, ctypes.c_int64]),
     "am_signal_committed": (None, [c_p, c_u64]),
     "am_signal_committed_to": (c_u64, [c_p]),
     "am_metal_own": (None, [c_p, c_p, c_p, c_p, c_p, c_p]),

@@ -164,6 +164,13 @@ typedef struct am_timeline {
      * queue's own; released with t, timeline_unref). Under mu. */
     uint64_t submitted;
     uint64_t finished;
+    /* A Metal queue's own timeline: the timeline its own thread holds a wait on now
+     * behind a command of it (am_metal_host_wait; NULL: none), and a count of the
+     * failures of its commands (block_finish), each of which wakes that wait: the queue
+     * may have failed before the wait's command, which then is not made. Under mu (the
+     * count also read unlocked, by the waiting thread under the held timeline's mu). */
+    struct am_timeline *held_on;
+    _Atomic uint64_t held_wakes;
     void *event;
     void *event_send;
     void *event_selector;
@@ -493,6 +500,8 @@ void am_block_reached(am_block *b, void *event, uint64_t value);
 #define AM_HOST_WAIT_OWN 2  /* am_host_wait's `committed` for a Metal queue's own timeline */
 int am_host_wait(am_timeline *t, uint64_t target, int committed, int *stop,
                  int64_t timeout_ns);
+int am_metal_host_wait(am_timeline *own, uint64_t *seen, am_timeline *t, uint64_t target,
+                       int committed, int *stop, int64_t timeout_ns);
 void am_host_wait_stop(am_timeline *t, int *stop);
 void am_signal_committed(am_timeline *t, uint64_t v);
 uint64_t am_signal_committed_to(am_timeline *t);

@@ -108,6 +108,23 @@ static void settle_failed(am_timeline *t, uint64_t value) {
     if (settle) settle_event(t);
 }
 
+/* A command of the Metal queue whose own timeline is t failed (recorded on t already):
+ * its thread's wait held behind a later command, if any, is woken to look at that now
+ * (am_metal_host_wait), not after its nap. The held timeline is referenced while it is
+ * woken, outside t->mu: no timeline's mu is taken under another's. */
+static void wake_held(am_timeline *t) {
+    pthread_mutex_lock(&t->mu);
+    atomic_fetch_add(&t->held_wakes, 1);
+    am_timeline *held = t->held_on;
+    if (held) atomic_fetch_add(&held->refs, 1);
+    pthread_mutex_unlock(&t->mu);
+    if (!held) return;  /* (one that starts later sees the count moved: its `seen`) */
+    pthread_mutex_lock(&held->mu);
+    pthread_cond_broadcast(&held->cv);
+    pthread_mutex_unlock(&held->mu);
+    timeline_unref(held);
+}
+
 /* Raise b's timeline, and the one its command buffer signalled (or fail that: a signal
  * its queue's failure, or a wait for a failed value, kept from being produced). */
 static void block_finish(am_block *b, uint64_t failed, int held) {
@@ -148,6 +165,7 @@ static void block_finish(am_block *b, uint64_t failed, int held) {
         timeline_signal_failed(t, b->value, waited_failed, error, value, cause);
     else
         am_timeline_signal(t, b->value);
+    if (own_failed || wait_failed) wake_held(t);
     if (b->then && own_failed)
         am_timeline_fail(b->then, b->then_value, AM_COMMAND_FAILED, failed, t);
     else if (b->then && wait_failed)
@@ -358,6 +376,33 @@ int am_host_wait(am_timeline *t, uint64_t target, int committed, int *stop,
         r = am_cond_timedwait(&t->cv, &t->mu, &until);
     int ready = host_wait_ready(t, target, committed);
     pthread_mutex_unlock(&t->mu);
+    return ready;
+}
+
+/* am_host_wait, on the own thread of the Metal queue whose own timeline is `own`, for a
+ * wait held behind a command of it: it also ends (0) once a command of the queue failed
+ * since the count `seen` of such failures (wake_held) -- at once if one did already --
+ * and leaves the count now in *seen, so that the caller, having looked whether the
+ * queue failed before its wait, waits again only for a failure it has not looked at. */
+int am_metal_host_wait(am_timeline *own, uint64_t *seen, am_timeline *t, uint64_t target,
+                       int committed, int *stop, int64_t timeout_ns) {
+    struct timespec until;
+    deadline_after(&until, timeout_ns);
+    pthread_mutex_lock(&own->mu);
+    own->held_on = t;
+    pthread_mutex_unlock(&own->mu);
+    uint64_t from = *seen;
+    pthread_mutex_lock(&t->mu);
+    int r = timeout_ns > 0 ? 0 : ETIMEDOUT;
+    while (!host_wait_ready(t, target, committed) && !(stop && *stop) &&
+           atomic_load(&own->held_wakes) == from && r != ETIMEDOUT)
+        r = am_cond_timedwait(&t->cv, &t->mu, &until);
+    int ready = host_wait_ready(t, target, committed);
+    pthread_mutex_unlock(&t->mu);
+    pthread_mutex_lock(&own->mu);
+    own->held_on = NULL;
+    *seen = atomic_load(&own->held_wakes);
+    pthread_mutex_unlock(&own->mu);
     return ready;
 }
 

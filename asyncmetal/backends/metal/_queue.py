@@ -4,13 +4,12 @@ per command)."""
 from __future__ import annotations
 
 import collections
-import contextlib
 import ctypes
 import functools
 import queue
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from ctypes import c_uint64, c_ulong, c_void_p
 from typing import Any, NamedTuple, Protocol, overload
 
@@ -44,8 +43,8 @@ STORAGE_SHARED = 0  # MTLResourceStorageModeShared
 STATUS_ERROR = 5  # MTLCommandBufferStatusError
 MAX_IN_FLIGHT = 1000  # the queues are made with room for 1024 command buffers
 # A queue's thread holding a wait looks at its timeline again this often whatever (it
-# is woken when the timeline moves, and when the queue discards), and at whether its
-# queue failed before the wait (which wakes it not: see _host_wait).
+# is woken when the timeline moves, when the queue discards, and when a command of its
+# queue fails: see _park).
 HOST_WAIT_NAP_NS = 1_000_000_000
 # amrt.h, am_host_wait's `committed`: what makes a wait held on the host ready -- its
 # timeline got there or failed for it; or also a committed command buffer that signals
@@ -293,7 +292,7 @@ class MetalQueue(NativeQueue):
         # holds it through its own commit, which routing keeps under MAX_IN_FLIGHT.
         self._commit_lock = threading.RLock()
         # The last command committed (under _commit_lock): one refused after its note
-        # was not (_noted).
+        # was not (_unnote).
         self._committed = 0
 
     # -- submission -----------------------------------------------------------------------
@@ -312,14 +311,20 @@ class MetalQueue(NativeQueue):
                 send(keep.event, "setSignaledValue:", MAX_VALUE, restype=None, argtypes=(c_uint64,))
             return
         record = record if record is not None else Record(value)
-        with self._noted(value), self._commit_lock:
-            if self._routing(value):
-                command = _Command(value, record, then)
-                self._hand_over(
-                    self._commit, value, encode, keep, copy_back, record, then, command=command
-                )
-                return
-            self._commit(value, encode, keep, copy_back, record, then)
+        try:
+            with self._commit_lock:
+                if self._routing(value):
+                    command = _Command(value, record, then)
+                    self._hand_over(
+                        self._commit, value, encode, keep, copy_back, record, then, command=command
+                    )
+                    return
+                self._commit(value, encode, keep, copy_back, record, then)
+        except KeyboardInterrupt:
+            raise
+        except BaseException:
+            self._unnote(value)
+            raise
 
     def _submitting(self, value: int, then: tuple[int, int] | None = None) -> bool:
         """Note command ``value`` as submitted: a failed queue settles only once it
@@ -331,25 +336,19 @@ class MetalQueue(NativeQueue):
         own = self._timeline.c_timeline
         return bool(self._backend.lib.am_metal_submitting(own, value, signalled, target))
 
-    @contextlib.contextmanager
-    def _noted(self, value: int) -> Iterator[None]:
-        """Around the commit (or hand-over) of command ``value``, noted by _submitting: a
-        refusal before the commit -- a nil command buffer or encoder, an error encoding,
-        a worker that did not start -- takes the note back (its number goes back to the
-        queue), and a failed queue whose handlers all ran settles then
-        (am_metal_unsubmitting) rather than wait for a handler of it. Not on an
+    def _unnote(self, value: int) -> None:
+        """Command ``value``, noted by _submitting, was refused before its commit (or its
+        hand-over) -- a nil command buffer or encoder, an error encoding, a worker that
+        did not start: unless it was committed, the note is taken back (its number goes
+        back to the queue), and a failed queue whose handlers all ran settles now
+        (am_metal_unsubmitting) rather than wait for a handler of it. Called from each
+        site's ``except BaseException`` (a plain try costs nothing on the hot path; a
+        context manager's generator about a microsecond a command) -- but not on an
         interrupt: the queue hands ``value`` over again (Queue._interrupted), and a
         hand-over it cut may be held already."""
-        try:
-            yield
-        except KeyboardInterrupt:
-            raise
-        except BaseException:
-            with self._commit_lock:
-                if self._committed != value:
-                    own = self._timeline.c_timeline
-                    self._backend.lib.am_metal_unsubmitting(own, value)
-            raise
+        with self._commit_lock:
+            if self._committed != value:
+                self._backend.lib.am_metal_unsubmitting(self._timeline.c_timeline, value)
 
     def _routing(self, value: int) -> bool:
         """Whether command ``value`` is committed from the queue's own thread, in order:
@@ -491,14 +490,21 @@ class MetalQueue(NativeQueue):
         """The worker's step for ``command`` raised: the command fails with ``error``. An
         empty command buffer takes its place, so that the queue's timeline still gets
         there in order (with the waits it was to carry); a timeline it was to signal
-        fails."""
+        fails. That commit refused too (a nil command buffer), no handler of the command
+        runs: its note is taken back, as a refusal at submission's is (_unnote), and the
+        timeline it was to signal fails all the same."""
         value, record, then = command
         self._step_errors[value] = keep_error(error)
-        self._commit(value, lambda cb: None, None, None, record, None)
-        if then is not None:
-            self._backend.lib.am_timeline_fail(
-                then[0], then[1], AM_COMMAND_FAILED, value, self._timeline.c_timeline
-            )
+        try:
+            self._commit(value, lambda cb: None, None, None, record, None)
+        except BaseException:
+            self._unnote(value)
+            raise
+        finally:
+            if then is not None:
+                self._backend.lib.am_timeline_fail(
+                    then[0], then[1], AM_COMMAND_FAILED, value, self._timeline.c_timeline
+                )
 
     def _encode_and_commit(
         self,
@@ -774,8 +780,13 @@ class MetalQueue(NativeQueue):
             waited = HostWait(self._backend, timeline)
         if not self._submitting(value):
             return
-        with self._noted(value):
+        try:
             self._wait(waited, target, value)
+        except KeyboardInterrupt:
+            raise
+        except BaseException:
+            self._unnote(value)
+            raise
 
     def _wait(self, waited: MetalTimeline | HostWait, target: int, value: int) -> None:
         held = not waited.ready(target)
@@ -905,8 +916,14 @@ class MetalQueue(NativeQueue):
             if not self._submitting(value):
                 return
             command = _Command(value, record, None)
-            with self._noted(value), self._commit_lock:
-                self._hand_over(self._staged_copyin, dst, src, command, command=command)
+            try:
+                with self._commit_lock:
+                    self._hand_over(self._staged_copyin, dst, src, command, command=command)
+            except KeyboardInterrupt:
+                raise
+            except BaseException:
+                self._unnote(value)
+                raise
             return
         self._blit(
             value,
@@ -992,14 +1009,28 @@ class MetalQueue(NativeQueue):
             stop = self._discarding or self._dropping
             self._host_waiting = None if stop else wait
         flag = ctypes.byref(self._stop_host_wait)
+        lib, own = self._backend.lib, self._timeline.c_timeline
+        # The count of the queue's failed commands looked at (am_metal_host_wait): one
+        # that fails as the wait is held wakes it, to look again before the nap ends.
+        # (0: the first wait ends at once if any failed ever, and the look follows.)
+        seen = ctypes.c_uint64(0)
         try:
             while (
                 not stop
                 and not self._flush_waited(wait)
-                # (a failure that comes meanwhile wakes nothing here: seen after a nap)
                 and not (behind and self._failed_before(behind))
-                and not self._backend.lib.am_host_wait(
-                    wait.c_timeline, target, mode, flag, HOST_WAIT_NAP_NS
+                and not (
+                    lib.am_metal_host_wait(
+                        own,
+                        ctypes.byref(seen),
+                        wait.c_timeline,
+                        target,
+                        mode,
+                        flag,
+                        HOST_WAIT_NAP_NS,
+                    )
+                    if behind
+                    else lib.am_host_wait(wait.c_timeline, target, mode, flag, HOST_WAIT_NAP_NS)
                 )
             ):
                 stop = bool(self._stop_host_wait.value)
@@ -1054,8 +1085,14 @@ class MetalQueue(NativeQueue):
         if not self._submitting(value):
             return
         command = _Command(value, record, None)
-        with self._noted(value), self._commit_lock:
-            self._hand_over(self._staged_copyout, dst, src, command, command=command)
+        try:
+            with self._commit_lock:
+                self._hand_over(self._staged_copyout, dst, src, command, command=command)
+        except KeyboardInterrupt:
+            raise
+        except BaseException:
+            self._unnote(value)
+            raise
 
     def _staged_copyout(self, dst: memoryview, src: Arg, command: _Command) -> None:
         """On the queue's own thread, a copy to host memory Metal will not wrap, through

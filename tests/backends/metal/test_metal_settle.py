@@ -9,7 +9,9 @@ from __future__ import annotations
 import pathlib
 import subprocess
 import sys
+import threading
 import time
+from ctypes import c_uint64
 from typing import Any
 
 import anyio
@@ -20,8 +22,9 @@ import asyncmetal as am
 from asyncmetal._queue import native_queue
 from asyncmetal._timeline import MAX_VALUE
 from asyncmetal.backends.metal import _queue as metal_queue
+from asyncmetal.backends.metal._objc import send
 from asyncmetal.backends.metal._queue import MetalQueue
-from tests.backends.metal.test_metal import FAULTY, SPIN_UNTIL, sim_only
+from tests.backends.metal.test_metal import FAULTY, SPIN_UNTIL, sim_only, unwrapped
 from tests.backends.metal.test_metal_races import _until
 from tests.support.fakes import metal_sim
 from tests.support.kernels import KERNELS, MSL_KERNELS
@@ -31,20 +34,17 @@ pytestmark = [pytest.mark.metal, sim_only]
 
 
 async def test_another_queues_gpu_wait_on_a_failed_queue_ends_as_it_settles(
-    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+    anyio_backend: object,
 ) -> None:
     """A queue whose kernel faulted, with more submitted behind it, fails its timeline
     from the faulted command on; another queue's wait for a value beyond what it was
     given is then made on the GPU (the timeline failed for it), on the queue's event.
     Once the failed queue's last command completed, its timeline and its event settle
     at 2**64 - 1: that GPU wait ends, and the waiting queue fails from it on. Checked
-    failing without the settle (q's timeline stayed at 4), and with the native
-    timeline's settle but not the event's: the event stayed at 4, and without that
+    failing without the settle (q's timeline stayed at 3), and with the native
+    timeline's settle but not the event's: the event stayed at 3, and without that
     assertion the waiting queue's launch was never done (its GPU waited on the event
     for good) and the fail_after ran out."""
-    # A wait held when the queue fails is dropped once the thread looks again, after a
-    # nap: here it looks only when the gate moves.
-    monkeypatch.setattr(metal_queue, "HOST_WAIT_NAP_NS", 600_000_000_000)
     async with am.open_device("metal") as dev:
         crash = await dev.compile(FAULTY, "crash")
         fill = await dev.compile(MSL_KERNELS, "fill")
@@ -52,28 +52,36 @@ async def test_another_queues_gpu_wait_on_a_failed_queue_ends_as_it_settles(
         q, q2 = dev.new_queue(), dev.new_queue()
         own = native_queue(q)
         assert isinstance(own, MetalQueue)
-        # Each held on q's own thread until the host signals the gate that far, the
-        # second held already as the first command fails (its handler held back till
-        # then): q has its last command still to commit once the first has failed.
-        q.wait(gate, 1)
-        faulted = q.launch(crash, buf)
-        q.wait(gate, 2)
-        last = q.launch(fill, buf, vals=(1, 16))
+        # The gate's event at 1 through a committed signal (as another queue's), its
+        # native mirror not yet (that queue's handler has not run): q's wait for it goes
+        # to the GPU, which passes it, and the completion of the buffer that carries it
+        # -- q's last command, after the one that faults -- is held until the mirror
+        # gets there: q has its last command still to complete once the first failed.
+        lib = dev._backend.lib
+        lib.am_signal_committed(gate.native.c_timeline, 1)
+        send(gate.native.event, "setSignaledValue:", 1, restype=None, argtypes=(c_uint64,))
+        # (the handlers held while they are submitted: the fault's, run before the rest
+        # was noted, would settle q then)
         metal_sim.hold_handlers(own._queue, True)
         try:
-            gate.signal(1)
-            await _until(lambda: own._host_waiting is gate.native)
+            faulted = q.launch(crash, buf)
+            q.wait(gate, 1)
+            last = q.launch(fill, buf, vals=(1, 16))
         finally:
             metal_sim.hold_handlers(own._queue, False)
         with anyio.fail_after(5), pytest.raises(am.DeviceLostError, match="crash faulted"):
             await faulted
-        assert q.timeline.value < MAX_VALUE  # (not settled: its last command is held)
+        assert q.timeline.value < MAX_VALUE  # (not settled: its last handler is held)
+
+        def signal_gate(value: int) -> None:  # (the mirror, as that queue's handler would)
+            lib.am_timeline_signal(gate.native.c_timeline, value)
+
         q2.wait(q.timeline, 1000)  # failed for it: made on the GPU, on q's event
         behind = q2.launch(fill, buf, vals=(2, 16))
         try:
             await anyio.wait_all_tasks_blocked()
             assert not behind.done()
-            gate.signal(2)
+            signal_gate(1)
             with anyio.fail_after(5), pytest.raises(am.DeviceLostError, match="crash faulted"):
                 await last
             assert q.timeline.value == MAX_VALUE
@@ -81,6 +89,7 @@ async def test_another_queues_gpu_wait_on_a_failed_queue_ends_as_it_settles(
             with anyio.fail_after(5), pytest.raises(am.DeviceLostError, match="device-side wait"):
                 await behind
         finally:  # (failed, the GPU's wait would hold up the device's close for good)
+            signal_gate(1)
             own._timeline.signal(MAX_VALUE)
         with anyio.fail_after(5), pytest.raises(am.ClosedResourceError, match="settled without"):
             await q.timeline.wait(1000)
@@ -181,11 +190,14 @@ async def test_a_wait_behind_a_failed_wait_is_not_held(anyio_backend: object) ->
 
 async def test_a_held_wait_is_dropped_once_its_queue_fails(anyio_backend: object) -> None:
     """A wait the Metal queue's thread already holds (for a timeline nobody signals) when
-    a command before it fails is dropped then (once the thread looks again, after a
-    nap): the commands behind it fail with that command's error, and the queue settles.
-    The fault's handler is held back until the thread holds the wait. Checked failing
-    without the drop: the launch behind the wait was never done (held with the wait)
-    and the fail_after ran out."""
+    a command before it fails is dropped then -- at once: the failure wakes the thread,
+    well within its nap (HOST_WAIT_NAP_NS, left at its default) -- the commands behind
+    it fail with that command's error, and the queue settles. The fault's handler is
+    held back until the thread holds the wait. Checked failing without the drop: the
+    launch behind the wait was never done (held with the wait) and the fail_after ran
+    out; and without the wake: the launch behind the wait was done only after the nap
+    (about 1 s), past the bound."""
+    assert metal_queue.HOST_WAIT_NAP_NS >= 1_000_000_000
     async with am.open_device("metal") as dev:
         crash = await dev.compile(FAULTY, "crash")
         fill = await dev.compile(MSL_KERNELS, "fill")
@@ -202,6 +214,10 @@ async def test_a_held_wait_is_dropped_once_its_queue_fails(anyio_backend: object
             await _until(lambda: own._host_waiting is never.native)
         finally:
             metal_sim.hold_handlers(own._queue, False)
+            released = time.monotonic()
+        with anyio.fail_after(5), pytest.raises(am.DeviceLostError, match="crash faulted"):
+            await launched
+        assert time.monotonic() - released < 0.3  # (the nap: 1 s)
         for done in (faulted, launched, signal):
             with anyio.fail_after(5), pytest.raises(am.DeviceLostError, match="crash faulted"):
                 await done
@@ -277,6 +293,98 @@ async def test_a_refused_command_settles_a_failed_queue_whose_handlers_all_ran(
         with anyio.fail_after(5), pytest.raises(am.ClosedResourceError, match="settled without"):
             await q.timeline.wait(q.submitted + 1)
         assert q.timeline.value == MAX_VALUE
+
+
+async def test_a_step_refused_twice_on_the_queues_thread_does_not_keep_a_failed_queue_unsettled(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A command whose step on the queue's own thread raises is replaced by an empty
+    command buffer (MetalQueue._step_failed); where that commit is refused too (here both
+    raise, as a nil command buffer does), no handler of the command runs: its note is
+    taken back, and the failed queue settles once its last committed command completed.
+    The command fails with its step's error. Checked failing without the note taken
+    back there: the host wait for q.submitted + 1 ran past its fail_after
+    (TimeoutError), q's timeline left at 2."""
+    unwrapped(monkeypatch)  # (the copy below is staged on the queue's own thread)
+    reported: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: reported.append(args.exc_value))
+    async with am.open_device("metal") as dev:
+        q, own, view, faulted, _, buf = await _failing_behind_a_spin(dev)
+
+        def refuse(*args: object, **kw: object) -> None:
+            raise am.AsyncMetalError("commandBuffer returned nil (simulated)")
+
+        own._encode_and_commit = refuse  # type: ignore[method-assign]
+        try:
+            copied = q.copy(buf, np.zeros(16, np.int32))  # 3: its step waits for 2 to run
+            view[0] = 1
+            await _until(lambda: reported)  # (the empty commit's refusal, reported)
+        finally:
+            del own._encode_and_commit
+            view[0] = 1
+        try:
+            assert isinstance(reported[0], am.AsyncMetalError)
+            with anyio.fail_after(5), pytest.raises(am.DeviceLostError, match="crash faulted"):
+                await faulted
+            with (
+                anyio.fail_after(5),
+                pytest.raises(am.ClosedResourceError, match="settled without"),
+            ):
+                await q.timeline.wait(q.submitted + 1)
+            assert q.timeline.value == MAX_VALUE
+            with anyio.fail_after(5), pytest.raises(am.AsyncMetalError, match="simulated"):
+                await copied
+        finally:  # (unsettled, command 3 would never be done: the close would wait for it)
+            own._timeline.signal(MAX_VALUE)
+
+
+async def test_a_signal_refused_twice_on_the_queues_thread_fails_its_timeline(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A signal committed from the queue's own thread (behind a staged copy held there)
+    whose commit is refused, and its empty command buffer's too, fails the timeline it
+    was to signal -- a wait on it raises rather than wait for good -- and takes its
+    note back: the failed queue settles once its last committed command (the copy)
+    completed. Checked failing with the timeline failed only after a commit that
+    succeeded: the wait on it ran past its fail_after (TimeoutError); and without the
+    note taken back: the signal's own await did (its value never came)."""
+    unwrapped(monkeypatch)  # (the copy below is staged on the queue's own thread)
+    reported: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: reported.append(args.exc_value))
+    async with am.open_device("metal") as dev:
+        q, own, view, faulted, _, buf = await _failing_behind_a_spin(dev)
+        signalled = dev.timeline()
+        commit = own._encode_and_commit
+
+        def refuse_the_signal(value: int, *args: Any, **kw: Any) -> None:
+            if value == 4:
+                raise am.AsyncMetalError("commandBuffer returned nil (simulated)")
+            commit(value, *args, **kw)
+
+        own._encode_and_commit = refuse_the_signal  # type: ignore[method-assign]
+        try:
+            q.copy(buf, np.zeros(16, np.int32))  # 3: its step waits for 2 to run
+            signal = q.signal(signalled, 1)  # 4: behind it, on the queue's own thread
+            view[0] = 1
+            await _until(lambda: reported)  # (the empty commit's refusal, reported)
+        finally:
+            del own._encode_and_commit
+            view[0] = 1
+        try:
+            with anyio.fail_after(5), pytest.raises(am.AsyncMetalError, match="simulated"):
+                await signal
+            with anyio.fail_after(5), pytest.raises(am.AsyncMetalError, match=r"command 4 .* nil"):
+                await signalled.wait(1)
+            with (
+                anyio.fail_after(5),
+                pytest.raises(am.ClosedResourceError, match="settled without"),
+            ):
+                await q.timeline.wait(q.submitted + 1)
+            with anyio.fail_after(5), pytest.raises(am.DeviceLostError, match="crash faulted"):
+                await faulted
+        finally:  # (unsettled, command 4 would never be done: the close would wait for it)
+            own._timeline.signal(MAX_VALUE)
+            signalled.native.signal(MAX_VALUE)
 
 
 # Run in a child: the simulated Metal aborts the interpreter on a message to a released
