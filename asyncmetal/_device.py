@@ -2408,26 +2408,38 @@ def _close_all_at_exit() -> None:
     # of its parent's devices here: _forget_parent_devices took them out.) A Ctrl-C as
     # one device closes (on the main thread: its close raises it once all its steps
     # ran) leaves no other unclosed: the first is raised once every device was closed
-    # (the interpreter reports it and runs the other exit hooks).
+    # (the interpreter reports it and runs the other exit hooks). One that lands
+    # before the device's close began (as _close_native is entered) or as it returned
+    # runs its close at exit again (``until_uninterrupted``), and that goes on from
+    # where it got to.
     interrupts: list[KeyboardInterrupt] = []
     for device in _devices():
-        try:
-            _close_at_exit(device)
-        except KeyboardInterrupt as exc:
-            interrupts.append(exc)
+        interrupt = until_uninterrupted(_close_at_exit, device, [])
+        if interrupt is not None:
+            interrupts.append(interrupt)
     if interrupts:
         raise interrupts[0]
 
 
-def _close_at_exit(device: Device) -> None:
+def _close_at_exit(device: Device, begun: list[bool]) -> None:
     """``device`` closed at exit (abandoning waits nobody signals), with a
-    ResourceWarning where the program left it open."""
-    if device.closed:
+    ResourceWarning where the program left it open; ``begun``: noted once this close
+    at exit began, with whether it was left open (then it runs again, if called again,
+    until the device is off the open ones: its native close's last step). A device
+    whose close began and did not release it -- its teardown (at its end by now: the
+    close's thread, not a daemon, was joined) ended before its native close ran, or
+    with one cut as it was entered -- is closed too; one closed otherwise, on a thread
+    of its own (_close_abandoned's, a daemon), is left to that thread."""
+    if not any(d is device for d in _devices()):
+        return  # (its close at exit got to its end before an interrupt)
+    if device.closed and not device._torn_down and not begun:
         return
+    if not begun:
+        begun.append(not device.closed)  # (whether the program left it open)
     with contextlib.suppress(Exception):  # exiting: nothing left to report to
         device._close_native(abandon=True)
-    if device is _npy_device:
-        return  # from_numpy's own: the program never opened it
+    if device is _npy_device or not begun[0]:
+        return  # from_numpy's own (the program never opened it), or one it closed
     with contextlib.suppress(Exception):  # (a warnings filter that raises)
         warnings.warn(
             f"device {device.name} ({device._opened_as}) was never closed: "

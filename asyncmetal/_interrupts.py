@@ -132,18 +132,48 @@ def until_uninterrupted(fn: Callable[..., object], *args: Any) -> KeyboardInterr
     ``fn`` must be safe to call again wherever one lands (a Ctrl-C as a close runs at
     exit, on the main thread: raised at once, it would leave the rest undone). An
     error it raises is raised, but after an interrupt the interrupt is (the error its
-    context): the interrupt before any error, as a close raises them."""
+    context): the interrupt before any error, as a close raises them.
+
+    On the main thread with Python's default handler current (at exit: no loop's
+    handler left), a Ctrl-C from then on is noted, not raised, and returned where no
+    interrupt ended a call: raised, one as this goes round for another (the loop's
+    end, outside the ``try``) would leave the rest undone. Others' handlers are left
+    alone (trio's, asyncio.Runner's: a close's steps run on the main thread only at
+    exit)."""
     interrupt: KeyboardInterrupt | None = None
-    while True:
-        try:
-            fn(*args)
-            return interrupt
-        except KeyboardInterrupt as exc:
-            interrupt = interrupt or exc
-        except Exception:
-            if interrupt is not None:
-                raise interrupt  # noqa: B904 - the interrupt first, the error its context
-            raise
+    noted: list[KeyboardInterrupt] = []
+    tried = installed = False
+
+    def note(signum: int, frame: FrameType | None) -> None:
+        noted.append(KeyboardInterrupt())
+
+    try:
+        while True:
+            try:
+                if not tried:
+                    # Inside the try: one that lands here (the default handler still
+                    # current) is as one in ``fn``, which then runs. Noted installed
+                    # before it is: one at its return finds it put back below.
+                    tried = True
+                    if (
+                        threading.get_ident() == threading.main_thread().ident
+                        and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+                    ):
+                        installed = True
+                        signal.signal(signal.SIGINT, note)
+                fn(*args)
+                break
+            except KeyboardInterrupt as exc:
+                interrupt = interrupt or exc
+            except Exception:
+                first = interrupt or (noted[0] if noted else None)
+                if first is not None:
+                    raise first  # noqa: B904 - the interrupt first, the error its context
+                raise
+    finally:
+        if installed:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+    return interrupt or (noted[0] if noted else None)
 
 
 def in_turn(steps: list[tuple[Any, ...]], errors: list[BaseException] | None = None) -> None:

@@ -72,6 +72,7 @@ from .._errors import (
     InvalidArgumentError,
     NoHostMemoryError,
 )
+from .._interrupts import in_turn
 from .._native_build import cc_command
 from .._scalars import host_types, scalar_type
 from .._threads import Freer
@@ -676,6 +677,9 @@ class CPUQueue(NativeQueue):
         # Held over a whole close: a close on another thread meanwhile waits for it (not
         # _closing, which a discard on a loop takes and must get at once).
         self._close_lock = threading.Lock()
+        # What a close has left to do (see close), and the handle it closes once.
+        self._left: list[tuple[Any, ...]] = []
+        self._handle_left: int | None = None
         self._scratch = (ctypes.c_int64 * MAX_ARGS)()
         self._call = lib.am_queue_call
         extension = _native.extension()
@@ -859,12 +863,26 @@ class CPUQueue(NativeQueue):
         close under way on another thread is waited for, as it released it (with its
         ``abandon``)."""
         with self._close_lock:
+            # The handle is taken once, with what the close has left to do recorded
+            # beside it: a KeyboardInterrupt in the rest (a Ctrl-C as the device's close
+            # runs at exit, on the main thread) leaves it to the next close, which goes
+            # on from there (each step may run again; the native close takes the handle
+            # first, with no call between the take and the close).
             with self._closing:
-                handle, self._handle = self._handle, None
-                self._release_dropped.detach()
-            if handle is not None:
-                self._lib.am_queue_close(handle, int(abandon))
-                self._keep.clear()
+                if self._handle is not None:
+                    self._left = [
+                        (self._release_dropped.detach,),
+                        (self._close_handle, int(abandon)),
+                        (self._keep.clear,),
+                    ]
+                    self._handle_left, self._handle = self._handle, None
+            in_turn(self._left)
+
+    def _close_handle(self, abandon: int) -> None:
+        """(A step of close.)"""
+        handle, self._handle_left = self._handle_left, None
+        if handle is not None:
+            self._lib.am_queue_close(handle, abandon)
 
 
 def host_memory() -> int:

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from ... import _native, _native_contract
 from ..._backend import Arg, KeepAlive, NativeQueue, NativeTimeline, Record, host_address
 from ..._errors import AsyncMetalError, DeviceLostError
+from ..._interrupts import in_turn
 from ..._native import ABANDONED, CLOSED, DISCARDED, Failure
 from ..._timeline import (
     LATER_FAIL,
@@ -163,12 +164,17 @@ class CUDAQueue(NativeQueue):
         self._keep: _StagedKeepAlive = _StagedKeepAlive(timeline)
         # A discard (any thread) and the close's take of the native queue; the export
         # calls of other threads under way (_held_open), which the close waits for.
-        self._closing = threading.Condition(threading.Lock())
+        self._closing_lock = threading.Lock()
+        self._closing = threading.Condition(self._closing_lock)
         self._exporting = 0
         # Held over a whole close: a close on another thread meanwhile waits for it (not
         # _closing, which a discard on a loop takes and must get at once, and which the
         # export calls take as they end).
         self._close_lock = threading.Lock()
+        # What a close has left to do (see _close), and what it releases once.
+        self._left: list[tuple[Any, ...]] = []
+        self._native_left: int | None = None
+        self._stream_left: Any = None
         self._discarded: str | None = None  # what dropped what had not started (discard)
         self._slots = (ctypes.c_uint64 * MAX_PARAMS)()
         base = ctypes.addressof(self._slots)
@@ -939,33 +945,66 @@ class CUDAQueue(NativeQueue):
             self._close(abandon)
 
     def _close(self, abandon: bool) -> None:
-        with self._closing:
+        # Its native queue is taken once, with what the close has left to do recorded
+        # beside it (``_left``): a KeyboardInterrupt in the rest (a Ctrl-C as the
+        # device's close runs at exit, on the main thread) leaves it to the next close
+        # -- the device's step run again, or the close at exit -- which goes on from
+        # there (``in_turn``). Each step may run again; those that release something
+        # once take it first, with no call between the take and the release. (The
+        # condition's lock, taken as itself: an interrupt as Condition.__enter__ -- a
+        # Python function -- returns would leave it held, and the next close waiting.)
+        with self._closing_lock:
             handle = self._q
-            code, _ = self._first_error()
-            self._q = None
-            self._release_dropped.detach()
+            if handle is not None:
+                code, _ = self._first_error()
+                self._left = [
+                    (self._release_dropped.detach,),
+                    (self._close_handle, int(abandon)),
+                    (self._close_staging, code, abandon),
+                    (self._keep_error, code),
+                    (self._destroy_stream,),
+                    (self._keep.clear,),
+                ]
+                self._native_left = handle
+                self._stream_left = None if self.adopted else self.stream
+                self._q = None
             while self._exporting:  # (another thread's export call, not long)
                 self._closing.wait()
+        errors: list[BaseException] = []
+        in_turn(self._left, errors)
+        if errors:
+            raise errors[0]
+
+    def _close_handle(self, abandon: int) -> None:
+        """(A step of _close.) Without abandon this returns once every held command was
+        submitted and every command confirmed (the stream is then idle)."""
+        handle, self._native_left = self._native_left, None
         if handle is not None:
-            # Without abandon this returns once every held command was submitted and
-            # every command confirmed (the stream is then idle).
-            self._lib.am_cuq_close(handle, int(abandon))
-            if self._staging is not None:
-                # Discarded or failed (a fault loses the whole context: the process's
-                # CUDA state), a host copy of a command that never ran may wait for a
-                # mark its stream never writes: the copy threads stop where they are
-                # (those of commands that ran are done: a command is confirmed after
-                # them). Otherwise the close waited for good.
-                # Closed without abandoning, the stream is past all it was given: a
-                # chunk a stopped host copy left part way is freed, not left pinned.
-                lost = _driver.lost_first is not None
-                failed = code != 0 or lost
-                dropped = abandon or failed or self._discarded is not None
-                self._staging.close(dropped, not abandon and not lost)
-            self._error = ctypes.c_int(code)  # the closed queue's error stays reported
-            if not self.adopted:
-                cu.cuStreamDestroy(self.stream)
-            self._keep.clear()
+            self._lib.am_cuq_close(handle, abandon)
+
+    def _close_staging(self, code: int, abandon: bool) -> None:
+        """(A step of _close.) Discarded or failed (a fault loses the whole context: the
+        process's CUDA state), a host copy of a command that never ran may wait for a
+        mark its stream never writes: the copy threads stop where they are (those of
+        commands that ran are done: a command is confirmed after them). Otherwise the
+        close waited for good. Closed without abandoning, the stream is past all it was
+        given: a chunk a stopped host copy left part way is freed, not left pinned.
+        (Closed again, the staging has nothing left: its threads are closed.)"""
+        if self._staging is not None:
+            lost = _driver.lost_first is not None
+            failed = code != 0 or lost
+            dropped = abandon or failed or self._discarded is not None
+            self._staging.close(dropped, not abandon and not lost)
+
+    def _keep_error(self, code: int) -> None:
+        """(A step of _close.)"""
+        self._error = ctypes.c_int(code)  # the closed queue's error stays reported
+
+    def _destroy_stream(self) -> None:
+        """(A step of _close.) Its own stream, not an adopted one."""
+        stream, self._stream_left = self._stream_left, None
+        if stream is not None:
+            cu.cuStreamDestroy(stream)
 
 
 def _close_dropped(lib: Any, handle: int, stream: Any, pid: int) -> None:

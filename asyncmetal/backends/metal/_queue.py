@@ -1134,9 +1134,15 @@ class MetalQueue(NativeQueue):
         queue twice at once: its own close (at exit too, abandoning) first joins the
         release threads that close queues."""
         with self._close_lock:
-            if not self._close_ran:
+            # Released once _close's last call (_release) ran: its finalizer is dead
+            # then. A KeyboardInterrupt from there on, before _close_ran is set (a
+            # Ctrl-C as the device's close runs at exit, which runs this again), leaves
+            # nothing to run again; one before runs all of _close again (each release
+            # in it takes what it releases first). (One whose release _close left to
+            # the worker is noted ran as _close returns.)
+            if not self._close_ran and self._release_dropped.alive:
                 self._close(abandon)
-                self._close_ran = True
+            self._close_ran = True
 
     def _close(self, abandon: bool) -> None:
         with self._commit_lock:

@@ -63,8 +63,11 @@ class _Keep:
 
 def _queue(lib: _Lib) -> CUDAQueue:
     queue = object.__new__(CUDAQueue)
-    queue._closing = threading.Condition(threading.Lock())
+    queue._closing_lock = threading.Lock()
+    queue._closing = threading.Condition(queue._closing_lock)
     queue._close_lock = threading.Lock()
+    queue._left = []  # (what a close has left to do)
+    queue._native_left = queue._stream_left = None
     queue._exporting = 0
     queue._q = 1234
     queue._release_dropped = weakref.finalize(queue, lib.am_cuq_close, 1234, 1)  # (as made)
