@@ -469,7 +469,8 @@ class NativeQueue(ABC):
     def reached(self) -> int | None:
         """How far its commands got where its timeline says more (a device's close counts
         from there, see ``_queue.completable``): commands it reported failed at once,
-        their values reached, but still holds behind a device wait that may never end.
+        their values reached, but not confirmed yet: held behind a device wait, or
+        handed over behind one, that may never end.
         None: as far as its timeline says."""
         return None
 

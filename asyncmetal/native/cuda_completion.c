@@ -632,9 +632,11 @@ static void cuq_fail_timeline(am_cuq *q) {
  * timeline got there): a signal among them fails its timeline only then, after the
  * lower value, which the timeline still gets first. Looked at wherever that state may
  * come last: a held wait put back (cuq_drain, cuq_submit_then), a failed command
- * confirmed (cuq_run, through cuq_drain). Its stream is not past them while the hold
- * lasts: a device's close asks am_cuq_reached (cuda_submit.c) where it is instead of
- * reading the timeline, and abandons q where what it waits for never runs. Nothing to
+ * confirmed (cuq_run, through cuq_drain). Its stream is not past them until this
+ * thread confirmed them (the hold may end with the lower signal handed over behind a
+ * device wait that never ends): a close asks am_cuq_reached (cuda_submit.c) where it
+ * is instead of reading the timeline, and abandons q where what it waits for never
+ * runs. Nothing to
  * take mu for on a queue that never failed so (q->skipped: set with q->poisoned, read
  * without mu as the hand-overs do) -- every drain looks. Not under mu. */
 void cuq_report_held(am_cuq *q) {

@@ -840,18 +840,25 @@ int am_cuq_error(am_cuq *q, uint64_t *value) {
     return e;
 }
 
-/* How far q's stream really got, where its timeline says more: the value before the
- * first command it still holds on the host behind a device wait once those commands
- * were reported failed (cuda_completion.c, cuq_report_held: the timeline raised through
- * them while the wait is held); else UINT64_MAX (as far as the timeline says). A
+/* How far q's stream really got, where its timeline says more: once commands it held
+ * on the host behind a device wait were reported failed (cuda_completion.c,
+ * cuq_report_held: the timeline raised through them, q->failed_through), the value
+ * before the first of them its completion thread has not confirmed yet -- held still,
+ * being handed over, or in flight -- else UINT64_MAX (as far as the timeline says). A
  * device's close counts from there (CUDAQueue.reached): counted from the timeline, the
- * queue would look finished, and its close (not abandoning) wait for the hold to end --
- * for good where what it waits for never runs. Once the hold ended (q->deferred
- * cleared), what it held is handed over behind a wait that is satisfied. */
+ * queue would look finished, and its close (not abandoning) wait for those commands for
+ * good where they never run. The hold ending is not enough: what it held is handed over
+ * behind a wait for another queue's lower signal, which the stream may block on for
+ * good (that signal handed over behind a device wait that never ends). */
 uint64_t am_cuq_reached(am_cuq *q) {
     pthread_mutex_lock(&q->mu);
-    uint64_t reached = q->failed_through && q->deferred && q->held ? q->held->value - 1
-                                                                   : UINT64_MAX;
+    uint64_t first = UINT64_MAX;  /* the first command not confirmed */
+    if (q->failed_through) {
+        if (q->count) first = q->ring[q->head].value;  /* (in order: the ring first) */
+        else if (q->driving && q->handed_value) first = q->handed_value;
+        else if (q->held) first = q->held->value;
+    }
+    uint64_t reached = first <= q->failed_through ? first - 1 : UINT64_MAX;
     pthread_mutex_unlock(&q->mu);
     return reached;
 }

@@ -512,7 +512,8 @@ class CUDAQueue(NativeQueue):
 
     def reached(self) -> int | None:
         # (Failing behind a failed wait, it reports what it holds on the host behind a
-        # signal's wait for another queue's lower signal before the hold ends:
+        # signal's wait for another queue's lower signal before its stream gets past
+        # them -- the hold may end and the stream still never get there:
         # native/cuda_submit.c, am_cuq_reached. Its timeline is failed before it is
         # raised through them, so a queue whose timeline never failed is asked nothing.
         # Asked under _closing: a close on another thread frees the native queue once it

@@ -162,3 +162,31 @@ def test_a_wait_made_while_its_queue_fails_fails_its_queue_from_it(loop: str) ->
     assert seen["wait"] == "submitted", seen
     for name in ("doomed", "waited", "before", "after"):
         assert "never produced" in str(seen[name]), (name, seen)
+
+
+def _check_reported(seen: dict[str, object]) -> None:
+    for name in ("doomed", "behind"):
+        assert "discard=True" in str(seen[name]), (name, seen)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_device_closes_past_a_failed_queue_whose_held_signal_went_behind_one_never_run(
+    loop: str,
+) -> None:
+    """A failed cuda queue reported its signal held behind another queue's lower signal
+    (its timeline raised through it); the gate is raised, and the lower signal handed
+    over behind a device wait that never ends, so the hold ends, and the held signal's
+    wait for the lower one goes to the stream, which never gets past it. The queue still
+    says its stream got only as far as before the held signal, and the device's close
+    abandons what can never run and ends (the lower signal fails). Checked: with the
+    queue's answer counting from the hold alone, "reached after gate" was None and the
+    device's close waited for good ("close": "hung" after HUNG_S)."""
+    harness.skip_without_compiler()
+    seen = simulated_failed_report.run("lower_handed_never_runs", loop)
+    _check_reported(seen)
+    assert "discard=True" in str(seen["after"]), seen
+    assert seen["close"] == "closed", seen
+    assert seen["reached before gate"] == 1, seen
+    assert seen["held after gate"] == 0, seen
+    assert seen["reached after gate"] == 1, seen
+    assert "ClosedResourceError" in str(seen["lower"]), seen

@@ -19,6 +19,9 @@ SCENARIO saw, as JSON, on its last line (``run`` runs it, and reads that).
 - ``refused_wait_failing``: as ``refused_wait_number``, that queue failing and settling
   while the refused wait's driver call is in the driver; ``made_wait_failing``: the
   same, the driver taking the wait.
+- ``lower_handed_never_runs``: as ``held_signal``, but the lower signal's queue first
+  waits on the device for a timeline nothing signals, so the lower signal, handed over
+  as the gate is raised, never runs; then the device closes.
 """
 
 from __future__ import annotations
@@ -383,6 +386,80 @@ async def _made_wait_failing(sim: _Simulated) -> Seen:
     return await _wait_failing(sim, made=True)
 
 
+HUNG_S = 15  # a close not done within this waits for good: the child says so and ends
+
+
+async def _close_watched(seen: Seen, key: str, close: Callable[[], Awaitable[None]]) -> None:
+    """``close()``, ``seen[key]`` saying how it ended: "closed", its error, or, past
+    HUNG_S (a close waiting in a native call, which no cancellation ends), "hung" -- the
+    child then prints what it saw and exits."""
+    seen[key] = "hung"
+
+    def hung() -> None:
+        print(json.dumps(seen), flush=True)
+        os._exit(0)
+
+    watchdog = threading.Timer(HUNG_S, hung)
+    watchdog.start()
+    try:
+        await close()
+        seen[key] = "closed"
+    except Exception as exc:
+        seen[key] = _error(exc)
+    finally:
+        watchdog.cancel()
+
+
+async def _try(seen: Seen, name: str, done: Any) -> None:
+    seen[name] = "still waiting"
+    with anyio.move_on_after(REPORT_S):
+        seen[name] = await _awaited(done)
+
+
+def _reached(queue: Any) -> Any:
+    return queue._native.reached()
+
+
+async def _lower_handed_never_runs(sim: _Simulated) -> Seen:
+    """Queue ``waiting`` fails behind a device wait for a command of queue ``discarded``
+    (closed with discard=True), its signal of 5 of ``shared`` held on the host for
+    queue ``other``'s signal of 3, which waits for ``gate`` and then, on the device, for
+    ``never`` (at 1, never signalled again). The failed queue's commands are awaited
+    (reported at once), and how far it says its stream got; the gate is raised (the
+    lower signal is handed over, behind a wait that never ends, and the hold ends); how
+    far it says its stream got then, and how the device's close ended (its queues'
+    commands that can never run abandoned), and the lower signal."""
+    import asyncmetal as am
+
+    seen: Seen = {}
+    dev = await am.open_device("cuda:0")
+    waiting, discarded, other = dev.new_queue(), dev.new_queue(), dev.new_queue()
+    gate, never, shared = dev.timeline(), dev.timeline(), dev.timeline()
+    never.signal(1)  # (a host timeline then: a wait for 2 goes to the driver at once)
+    discarded.wait(gate, 1)
+    doomed = waiting.wait(discarded.timeline, 1)
+    other.wait(gate, 2)  # held on the host until the gate
+    other.wait(never, 2)  # then handed over: it never ends
+    lower = other.signal(shared, 3)
+    behind = waiting.signal(shared, 5)
+    after = waiting.marker()
+    await discarded.close(discard=True)
+    for name, done in {"doomed": doomed, "behind": behind, "after": after}.items():
+        await _try(seen, name, done)
+    seen["reached before gate"] = _reached(waiting)
+    gate.signal(2)
+    # Until the lower signal is handed over and the held signal after it (and nothing
+    # confirms it: the stream waits for shared at 3 for good).
+    until = time.monotonic() + SETTLE_S
+    while waiting._native.stats()["held_now"] and time.monotonic() < until:
+        await anyio.sleep(0.001)
+    seen["held after gate"] = waiting._native.stats()["held_now"]
+    seen["reached after gate"] = _reached(waiting)
+    await _close_watched(seen, "close", dev.close)
+    await _try(seen, "lower", lower)
+    return seen
+
+
 SCENARIOS = {
     "gated": _on_cuda(gated),
     "held_signal": _on_cuda(held_signal),
@@ -391,6 +468,7 @@ SCENARIOS = {
     "refused_wait_number": _refused_wait_number,
     "refused_wait_failing": _refused_wait_failing,
     "made_wait_failing": _made_wait_failing,
+    "lower_handed_never_runs": _lower_handed_never_runs,
 }
 
 
