@@ -84,12 +84,14 @@ from ._queue import (
     native_queue,
     seal,
     settled,
+    stream_reached,
     submitted_record,
     wait_finished,
 )
 from ._threads import run_sync as to_thread
 from ._timeline import (
     MADE_BY_DEVICE,
+    MAX_VALUE,
     QUEUE_DROPPED,
     QUEUE_REPLACED,
     HostEvents,
@@ -275,13 +277,20 @@ async def _finish_commands(queue: Queue) -> bool:
         if queue._discarded is not None and hands_over:
             limits = await _count_completable()
             target = min(target, limits.get(queue, target))
+        until, recount = target, hands_over
         if queue.timeline.value >= target:
-            return queue.timeline.value >= queue.submitted
+            # (Its timeline's value, but for commands it reported failed before its
+            # stream got past them, which may never come: see NativeQueue.reached. It
+            # settles -- its timeline at MAX_VALUE -- once its stream is past them.)
+            reached = stream_reached(queue)
+            if reached >= target:
+                return reached >= queue.submitted
+            until, recount = MAX_VALUE, True
         # Counted again now and then: a discard may come while this waits, and what the
         # count relied on may never come (another device's close stops its queues). Only
         # where waits are handed over: elsewhere a discard ends the wait by itself.
-        with anyio.move_on_after(RECOUNT_S if hands_over else math.inf):
-            await wait_value(queue.timeline, target)
+        with anyio.move_on_after(RECOUNT_S if recount else math.inf):
+            await wait_value(queue.timeline, until)
 
 
 class Device(Singular):

@@ -1439,14 +1439,14 @@ def completable(
     cuq_poison: it settles then): stopped at a later wait, it stops before the failed
     one -- counted up to the later wait, a close would wait for it to report the
     failed one, for good. Such a queue may also report what it holds on the host behind
-    a later wait before that wait ends (its timeline raised through it): counted from
-    where its commands really got (``NativeQueue.reached``), as are waits on its
-    timeline.
+    a later wait before its stream gets past it (its timeline raised through it):
+    counted from where its commands really got (``stream_reached``), as are waits on
+    its timeline.
     """
     if records is None:
         records = {q: submitted_record(q) for q in queues}
     reach: dict[Timeline, int] = {}
-    limit = {q: _reached(q) for q in queues}
+    limit = {q: stream_reached(q) for q in queues}
     position = dict.fromkeys(queues, 0)
     ops = {q: records[q][1] for q in queues}
     owner = {q._timeline: q for q in queues}
@@ -1486,9 +1486,9 @@ def completable(
     return limit
 
 
-def _reached(queue: Queue) -> int:
+def stream_reached(queue: Queue) -> int:
     """How far ``queue``'s commands got: its timeline's value, but for commands it
-    reported failed while still holding them (see ``NativeQueue.reached``)."""
+    reported failed before its stream got past them (see ``NativeQueue.reached``)."""
     value = queue._timeline.value
     reached = queue._native.reached()
     return value if reached is None else min(value, reached)
@@ -1571,8 +1571,10 @@ def native_queue(queue: Queue) -> NativeQueue:
 
 
 def settled(queue: Queue) -> bool:
-    """Whether every command submitted to ``queue`` has finished (or was settled)."""
-    return queue._timeline.value >= queue._submitted
+    """Whether every command submitted to ``queue`` has finished (or was settled). Its
+    timeline's value says so but for commands it reported failed before its stream got
+    past them (``stream_reached``): asked only once the value says so."""
+    return queue._timeline.value >= queue._submitted and stream_reached(queue) >= queue._submitted
 
 
 def abandon(queue: Queue, first: int) -> None:

@@ -190,3 +190,23 @@ def test_a_device_closes_past_a_failed_queue_whose_held_signal_went_behind_one_n
     assert seen["held after gate"] == 0, seen
     assert seen["reached after gate"] == 1, seen
     assert "ClosedResourceError" in str(seen["lower"]), seen
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_failed_queue_closed_while_its_signal_waits_for_one_never_run_stays_cancellable(
+    loop: str,
+) -> None:
+    """A failed cuda queue reported its signal held behind another queue's lower signal
+    that never runs (that queue waits for a timeline nothing signals); the queue's close
+    (no discard) waits for its stream, which never gets there -- cancellably: cancelled
+    after QUEUE_CLOSE_S; a queue made then (which releases closed queues whose commands
+    ran) does not release it as finished, and the device's close abandons it and ends.
+    Checked: with the queue's close counting from its (raised) timeline, it took the
+    queue for finished and waited in the native close for good ("queue close": "hung"
+    after HUNG_S); with that fixed but _queue.settled counting so, the device's close
+    waited for good ("close": "hung")."""
+    harness.skip_without_compiler()
+    seen = simulated_failed_report.run("queue_closed_while_held", loop)
+    _check_reported(seen)
+    assert seen["queue close"] == "TimeoutError: still closing: cancelled", seen
+    assert seen["close"] == "closed", seen

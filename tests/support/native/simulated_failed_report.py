@@ -22,6 +22,8 @@ SCENARIO saw, as JSON, on its last line (``run`` runs it, and reads that).
 - ``lower_handed_never_runs``: as ``held_signal``, but the lower signal's queue first
   waits on the device for a timeline nothing signals, so the lower signal, handed over
   as the gate is raised, never runs; then the device closes.
+- ``queue_closed_while_held``: the failed queue, holding its signal behind a lower one
+  that never runs, closed (no discard) with a deadline; then the device closes.
 """
 
 from __future__ import annotations
@@ -387,6 +389,7 @@ async def _made_wait_failing(sim: _Simulated) -> Seen:
 
 
 HUNG_S = 15  # a close not done within this waits for good: the child says so and ends
+QUEUE_CLOSE_S = 3  # how long a queue's close is waited for before it is cancelled
 
 
 async def _close_watched(seen: Seen, key: str, close: Callable[[], Awaitable[None]]) -> None:
@@ -460,6 +463,39 @@ async def _lower_handed_never_runs(sim: _Simulated) -> Seen:
     return seen
 
 
+async def _queue_closed_while_held(sim: _Simulated) -> Seen:
+    """Queue ``waiting`` fails behind a device wait for a command of queue ``discarded``
+    (closed with discard=True), its signal of 2 of ``shared`` held on the host for queue
+    ``other``'s signal of 1, which waits on the device for ``never`` (nothing signals
+    it). The failed queue's commands are awaited (reported at once), then the queue is
+    closed without discard, cancelled after QUEUE_CLOSE_S; then the device's close."""
+    import asyncmetal as am
+
+    seen: Seen = {}
+    dev = await am.open_device("cuda:0")
+    waiting, discarded, other = dev.new_queue(), dev.new_queue(), dev.new_queue()
+    gate, never, shared = dev.timeline(), dev.timeline(), dev.timeline()
+    discarded.wait(gate, 1)
+    doomed = waiting.wait(discarded.timeline, 1)
+    other.wait(never, 1)
+    other.signal(shared, 1)
+    behind = waiting.signal(shared, 2)
+    await discarded.close(discard=True)
+    await _try(seen, "doomed", doomed)
+    await _try(seen, "behind", behind)
+
+    async def close_queue() -> None:
+        with anyio.move_on_after(QUEUE_CLOSE_S) as scope:
+            await waiting.close()
+        if scope.cancelled_caught:
+            raise TimeoutError("still closing: cancelled")
+
+    await _close_watched(seen, "queue close", close_queue)
+    dev.new_queue()  # (releases closed queues whose commands ran: not this one)
+    await _close_watched(seen, "close", dev.close)
+    return seen
+
+
 SCENARIOS = {
     "gated": _on_cuda(gated),
     "held_signal": _on_cuda(held_signal),
@@ -469,6 +505,7 @@ SCENARIOS = {
     "refused_wait_failing": _refused_wait_failing,
     "made_wait_failing": _made_wait_failing,
     "lower_handed_never_runs": _lower_handed_never_runs,
+    "queue_closed_while_held": _queue_closed_while_held,
 }
 
 
