@@ -33,7 +33,7 @@ import os
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 
@@ -50,6 +50,34 @@ from tests.support.native.simulated_cuda import (
 REPORT_S = 5  # the failed wait is reported within this, or it waits for the gate
 
 
+class _Failing(NamedTuple):
+    waiting: Any
+    discarded: Any
+    other: Any
+    gate: Any
+    shared: Any
+    doomed: Any
+    lower: Any
+    behind: Any
+
+
+def _failing_behind(dev: Any, lower: int, higher: int, *holds: tuple[Any, int]) -> _Failing:
+    """On ``dev``: queue ``waiting`` waits on the device for a command of queue
+    ``discarded`` (held by ``gate`` at 1: the scenario closes it with discard=True, and
+    the wait fails, "doomed"), then signals ``shared`` to ``higher`` ("behind"); queue
+    ``other`` first signals ``shared`` to ``lower`` ("lower"), behind its device waits
+    for ``holds`` (timeline, value; None: the gate), by default the gate at 2."""
+    waiting, discarded, other = dev.new_queue(), dev.new_queue(), dev.new_queue()
+    gate, shared = dev.timeline(), dev.timeline()
+    discarded.wait(gate, 1)
+    doomed = waiting.wait(discarded.timeline, 1)
+    for timeline, value in holds or ((None, 2),):
+        other.wait(gate if timeline is None else timeline, value)
+    signalled = other.signal(shared, lower)
+    behind = waiting.signal(shared, higher)
+    return _Failing(waiting, discarded, other, gate, shared, doomed, signalled, behind)
+
+
 async def gated(am: Any, dev: Any) -> Seen:
     """On ``dev`` (any backend): queue ``waiting`` waits on the device for a command of
     queue ``discarded``, which is then closed with ``discard=True`` (the wait fails:
@@ -58,13 +86,7 @@ async def gated(am: Any, dev: Any) -> Seen:
     "doomed" was awaited (at most REPORT_S). How each ended, and whether "doomed" ended
     before the gate was raised."""
     seen: Seen = {}
-    waiting, discarded, other = dev.new_queue(), dev.new_queue(), dev.new_queue()
-    gate, shared = dev.timeline(), dev.timeline()
-    discarded.wait(gate, 1)
-    doomed = waiting.wait(discarded.timeline, 1)
-    other.wait(gate, 2)
-    lower = other.signal(shared, 1)
-    behind = waiting.signal(shared, 2)
+    waiting, discarded, _, gate, _, doomed, lower, behind = _failing_behind(dev, 1, 2)
     await discarded.close(discard=True)
     seen["doomed"] = "still waiting"
     with anyio.move_on_after(REPORT_S):
@@ -114,13 +136,7 @@ async def held_signal(am: Any, dev: Any) -> Seen:
     How each ended, ``shared``'s value before the gate, and how a host wait for 3 and
     for 5 of ``shared`` ended after it."""
     seen: Seen = {}
-    waiting, discarded, other = dev.new_queue(), dev.new_queue(), dev.new_queue()
-    gate, shared = dev.timeline(), dev.timeline()
-    discarded.wait(gate, 1)
-    doomed = waiting.wait(discarded.timeline, 1)
-    other.wait(gate, 2)
-    lower = other.signal(shared, 3)
-    behind = waiting.signal(shared, 5)
+    waiting, discarded, _, gate, shared, doomed, lower, behind = _failing_behind(dev, 3, 5)
     after = waiting.marker()
     await discarded.close(discard=True)
     for name, done in {"doomed": doomed, "behind": behind, "after": after}.items():
@@ -173,13 +189,7 @@ async def reached_while_closing(am: Any, dev: Any) -> Seen:
     queue; whether the close went on to free the native queue meanwhile, and how the
     question ended."""
     seen: Seen = {}
-    waiting, discarded, other = dev.new_queue(), dev.new_queue(), dev.new_queue()
-    gate, shared = dev.timeline(), dev.timeline()
-    discarded.wait(gate, 1)
-    doomed = waiting.wait(discarded.timeline, 1)
-    other.wait(gate, 2)
-    other.signal(shared, 3)
-    waiting.signal(shared, 5)
+    waiting, discarded, _, gate, _, doomed, _, _ = _failing_behind(dev, 3, 5)
     await discarded.close(discard=True)
     seen["doomed"] = await _awaited(doomed)
     native = waiting._native
@@ -436,15 +446,13 @@ async def _lower_handed_never_runs(sim: _Simulated) -> Seen:
 
     seen: Seen = {}
     dev = await am.open_device("cuda:0")
-    waiting, discarded, other = dev.new_queue(), dev.new_queue(), dev.new_queue()
-    gate, never, shared = dev.timeline(), dev.timeline(), dev.timeline()
+    never = dev.timeline()
     never.signal(1)  # (a host timeline then: a wait for 2 goes to the driver at once)
-    discarded.wait(gate, 1)
-    doomed = waiting.wait(discarded.timeline, 1)
-    other.wait(gate, 2)  # held on the host until the gate
-    other.wait(never, 2)  # then handed over: it never ends
-    lower = other.signal(shared, 3)
-    behind = waiting.signal(shared, 5)
+    # The gate held on the host until raised, then the wait for never handed over: it
+    # never ends.
+    waiting, discarded, _, gate, _, doomed, lower, behind = _failing_behind(
+        dev, 3, 5, (None, 2), (never, 2)
+    )
     after = waiting.marker()
     await discarded.close(discard=True)
     for name, done in {"doomed": doomed, "behind": behind, "after": after}.items():
@@ -473,13 +481,7 @@ async def _queue_closed_while_held(sim: _Simulated) -> Seen:
 
     seen: Seen = {}
     dev = await am.open_device("cuda:0")
-    waiting, discarded, other = dev.new_queue(), dev.new_queue(), dev.new_queue()
-    gate, never, shared = dev.timeline(), dev.timeline(), dev.timeline()
-    discarded.wait(gate, 1)
-    doomed = waiting.wait(discarded.timeline, 1)
-    other.wait(never, 1)
-    other.signal(shared, 1)
-    behind = waiting.signal(shared, 2)
+    waiting, discarded, _, _, _, doomed, _, behind = _failing_behind(dev, 1, 2, (dev.timeline(), 1))
     await discarded.close(discard=True)
     await _try(seen, "doomed", doomed)
     await _try(seen, "behind", behind)
