@@ -516,11 +516,14 @@ class CUDAQueue(NativeQueue):
         # them -- the hold may end and the stream still never get there:
         # native/cuda_submit.c, am_cuq_reached. Its timeline is failed before it is
         # raised through them, so a queue whose timeline never failed is asked nothing.
-        # Asked under _closing: a close on another thread frees the native queue once it
-        # took it, and a device's close counts every device's queues.)
+        # Asked under _closing's lock: a close on another thread frees the native queue
+        # once it took it, and a device's close counts every device's queues. The lock
+        # taken as itself, as _close does: asked on a loop's thread too, by a reaper's
+        # look or a close's count, where a Ctrl-C as Condition.__enter__ -- a Python
+        # function -- returns would leave it held, and every later close waiting.)
         if not self._failed_from.value:
             return None
-        with self._closing:
+        with self._closing_lock:
             if self._q is None:
                 return None
             reached = int(self._lib.am_cuq_reached(self._q))
@@ -928,7 +931,7 @@ class CUDAQueue(NativeQueue):
         self._finish(value, (dst, src), expected_ns=dst.nbytes // STAGED_BYTES_PER_NS)
 
     def discard(self, why: str) -> None:
-        with self._closing:  # (the close frees the native queue)
+        with self._closing_lock:  # (the close frees the native queue; see reached)
             if self._q is not None:
                 self._discarded = why
                 self._lib.am_cuq_discard(self._q)

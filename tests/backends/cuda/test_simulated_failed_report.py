@@ -85,6 +85,24 @@ def test_a_close_on_another_thread_waits_for_a_failed_queue_asked_how_far_it_got
     assert seen["asked"] not in ("[]", "[None]"), seen
 
 
+@pytest.mark.parametrize("loop", LOOPS)
+def test_an_interrupted_question_of_how_far_a_failed_queue_got_leaves_no_lock_held(
+    loop: str,
+) -> None:
+    """A KeyboardInterrupt at each place in a failed queue's ``reached`` (asked on a
+    loop's thread by a reaper's look and a close's count) leaves its lock free, and the
+    device's close then ends. Checked: with the lock taken through the condition's
+    Python ``__enter__``, an interrupt as that returned left it held ("reached return
+    __enter__", True), and the close hung."""
+    harness.skip_without_compiler()
+    seen = simulated_failed_report.run("reached_interrupted", loop)
+    assert "discard=True" in str(seen["behind"]), seen
+    places = seen["places"]
+    assert isinstance(places, list) and places, seen
+    assert all(not held for _, held in places), seen
+    assert seen["close"] == "closed", seen
+
+
 @pytest.mark.anyio
 async def test_a_failed_cpu_queue_reports_what_it_holds_behind_a_lower_signal() -> None:
     """The same program on cpu, whose failed queue's commands fail at once (its failed

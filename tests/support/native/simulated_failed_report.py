@@ -28,6 +28,7 @@ SCENARIO saw, as JSON, on its last line (``run`` runs it, and reads that).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -498,6 +499,38 @@ async def _queue_closed_while_held(sim: _Simulated) -> Seen:
     return seen
 
 
+async def _reached_interrupted(sim: _Simulated) -> Seen:
+    """A failed cuda queue asked how far its stream got (``reached``, which a reaper's
+    look, a close's count run on a loop's thread) with a KeyboardInterrupt at each place
+    in it where CPython raises one, in turn: where each landed and whether it left the
+    queue's lock held; then how the device's close ended."""
+    import asyncmetal as am
+    from asyncmetal.backends.cuda._queue import CUDAQueue
+    from tests.support.interrupts import interrupted
+
+    seen: Seen = {}
+    dev = await am.open_device("cuda:0")
+    waiting, discarded, *_, behind = _failing_behind(dev, 1, 2, (dev.timeline(), 1))
+    await discarded.close(discard=True)
+    await _try(seen, "behind", behind)
+    native = waiting._native
+    places: list[object] = []
+    for at in range(20):
+        with (
+            interrupted({CUDAQueue.reached.__code__}, at) as raised,
+            contextlib.suppress(KeyboardInterrupt),
+        ):
+            native.reached()
+        if not raised:
+            break
+        places.append([raised[0], native._closing_lock.locked()])
+        if native._closing_lock.locked():
+            break  # (asked again, it would wait for good)
+    seen["places"] = places
+    await _close_watched(seen, "close", dev.close)
+    return seen
+
+
 SCENARIOS = {
     "gated": _on_cuda(gated),
     "held_signal": _on_cuda(held_signal),
@@ -508,6 +541,7 @@ SCENARIOS = {
     "made_wait_failing": _made_wait_failing,
     "lower_handed_never_runs": _lower_handed_never_runs,
     "queue_closed_while_held": _queue_closed_while_held,
+    "reached_interrupted": _reached_interrupted,
 }
 
 
