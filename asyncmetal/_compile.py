@@ -492,7 +492,7 @@ _NOT_A_SCALAR = re.compile(
 # statement would take time quadratic in its length.)
 _ANY_TYPEDEF = re.compile(
     r"\btypedef\b([^;]*?)\b(\w+)\s*"
-    r"(__attribute__\s*\(\((?:[^()]|\((?:[^()]|\([^()]*\))*\))*\)\))?\s*;"
+    r"(__attribute(?:__)?\s*\(\((?:[^()]|\((?:[^()]|\([^()]*\))*\))*\)\))?\s*;"
 )
 _SEMICOLON = re.compile(";")
 _BRACE = re.compile(r"[{}]")
@@ -500,7 +500,7 @@ _BRACE = re.compile(r"[{}]")
 
 # A struct, class or union a source defines (C++ names it without the keyword).
 _RECORD = re.compile(
-    r"\b(?:struct|class|union)\s+(?:(?:alignas|__align__|__attribute__)\s*\(+[^()]*\)+\s*)*"
+    r"\b(?:struct|class|union)\s+(?:(?:alignas|__align__|__attribute(?:__)?)\s*\(+[^()]*\)+\s*)*"
     r"(\w+)\s*(?:final\s*)?[{:]"
 )
 _RECORD_WORD = re.compile(r"\b(?:struct|class|union)\b")
@@ -725,7 +725,14 @@ _FUNCTION_POINTER = re.compile(
 )
 _LAST_WORD = re.compile(r"(\w+)\s*$")
 # Words that parentheses follow in a type, not a function's declarator (``_Atomic(int)``).
-_TYPE_OPERATORS = TYPEOF_WORDS | {"_Atomic", "_BitInt", "decltype", "__declspec", "__attribute__"}
+_TYPE_OPERATORS = TYPEOF_WORDS | {
+    "_Atomic",
+    "_BitInt",
+    "decltype",
+    "__declspec",
+    "__attribute__",
+    "__attribute",
+}
 _QUALIFIER_WORDS = frozenset(("const", "volatile", "restrict", "__restrict", "__restrict__"))
 _FUNCTION_MACRO = re.compile(r"^[ \t]*#[ \t]*define[ \t]+(\w+)\(", re.M)
 # C++'s typedef of a type that parentheses end (a function's, or a pointer to one's).
@@ -1648,6 +1655,7 @@ _NOT_FUNCTIONS = frozenset(
         "typeof",
         "__typeof__",
         "__attribute__",
+        "__attribute",
         "__declspec",
         "noexcept",
         "static_assert",
@@ -1753,10 +1761,11 @@ def _each_definition(text: str, name: str) -> Iterator[tuple[str, str, list[str]
         yield match.group(1), words, [] if body in ("", "void") else _split_top_level(body)
 
 
-# A GNU attribute (its parentheses balanced, three deep), and C11's and C++'s alignment
-# specifiers: no part of a type's words.
+# A GNU attribute (``__attribute__`` or ``__attribute``, both the compilers' spellings;
+# its parentheses balanced, three deep), and C11's and C++'s alignment specifiers: no
+# part of a type's words.
 _GNU_ATTRIBUTE = re.compile(
-    r"\b(?:__attribute__\s*\(\((?:[^()]|\((?:[^()]|\([^()]*\))*\))*\)\)"
+    r"\b(?:__attribute(?:__)?\s*\(\((?:[^()]|\((?:[^()]|\([^()]*\))*\))*\)\)"
     r"|(?:_Alignas|alignas|__align__)\s*\((?:[^()]|\([^()]*\))*\))"
 )
 _RECORD_KEYWORD = re.compile(r"\b(?:struct|union|class|enum)\b")

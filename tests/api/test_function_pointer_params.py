@@ -215,3 +215,50 @@ def test_a_header_s_pointer_to_data_stays_an_address(cc: str) -> None:
     assert "asyncmetal" not in compiler._last_log, compiler._last_log
     answered = answered_values(signature, "k", binary, src)
     assert answered.values == tuple(("uint64", p) for p in HEADER_DATA_POINTERS)
+
+
+# A value of a header's type with an attribute, in each spelling gcc and clang take
+# (``__attribute`` too), after the name or before the type.
+ATTRIBUTED_VALUES = [
+    "pid_t p __attribute((unused))",
+    "pid_t p __attribute__((unused))",
+    "__attribute((unused)) pid_t p",
+    "pid_t __attribute((unused)) p",
+    "int p __attribute((unused))",
+]
+
+
+@pytest.mark.parametrize("cc", ["gcc", "clang"])
+@pytest.mark.parametrize("param", ATTRIBUTED_VALUES)
+def test_an_attribute_of_either_spelling_is_no_function_s_parameter_list(
+    cc: str, param: str
+) -> None:
+    """``__attribute((unused))`` after a parameter's name is an attribute, as
+    ``__attribute__((unused))`` is: the value is read, not refused as a function
+    pointer. Checked: fails without the fix (``__attribute`` read as a function's name,
+    its parentheses as its parameter list: "is a function pointer")."""
+    if shutil.which(cc) is None:
+        pytest.skip(f"no {cc} here")
+    compiler = CCompiler(cc, ("-O2", *STRICT))
+    src = "#include <sys/types.h>\n" + HEADER_TYPES.replace("PARAM", param)
+    signature = compiler._signature(src, "k")
+    binary = compiler.compile(src)
+    assert answered_values(signature, "k", binary, src).values == (("int32", param),)
+
+
+def test_a_double_bracket_attribute_keeps_a_value() -> None:
+    """A C23 ``[[...]]`` attribute (gcc takes it in any C mode), before the type or
+    after the name, beside a typedef's and a parameter's ``__attribute``: each value is
+    read as its type."""
+    if shutil.which("gcc") is None:
+        pytest.skip("no gcc here")
+    src = (
+        "typedef int i32 __attribute((aligned(4)));\n"
+        "void k(int* out, [[maybe_unused]] i32 a, int b [[gnu::unused]],"
+        " int c __attribute((unused))) { out[0] = a; }"
+    )
+    compiler = CCompiler("gcc", ("-O2",))
+    signature = compiler._signature(src, "k")
+    answered = answered_values(signature, "k", compiler.compile(src), src)
+    assert answered.kinds == ("buffer", "value", "value", "value")
+    assert [scalar for scalar, _ in answered.values] == ["int32"] * 3
