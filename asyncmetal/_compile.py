@@ -492,7 +492,7 @@ _NOT_A_SCALAR = re.compile(
 # statement would take time quadratic in its length.)
 _ANY_TYPEDEF = re.compile(
     r"\btypedef\b([^;]*?)\b(\w+)\s*"
-    r"(__attribute__\s*\(\((?:[^()]|\((?:[^()]|\([^()]*\))*\))*\)\))?\s*;"
+    r"(__attribute(?:__)?\s*\(\((?:[^()]|\((?:[^()]|\([^()]*\))*\))*\)\))?\s*;"
 )
 _SEMICOLON = re.compile(";")
 _BRACE = re.compile(r"[{}]")
@@ -500,7 +500,7 @@ _BRACE = re.compile(r"[{}]")
 
 # A struct, class or union a source defines (C++ names it without the keyword).
 _RECORD = re.compile(
-    r"\b(?:struct|class|union)\s+(?:(?:alignas|__align__|__attribute__)\s*\(+[^()]*\)+\s*)*"
+    r"\b(?:struct|class|union)\s+(?:(?:alignas|__align__|__attribute(?:__)?)\s*\(+[^()]*\)+\s*)*"
     r"(\w+)\s*(?:final\s*)?[{:]"
 )
 _RECORD_WORD = re.compile(r"\b(?:struct|class|union)\b")
@@ -725,7 +725,14 @@ _FUNCTION_POINTER = re.compile(
 )
 _LAST_WORD = re.compile(r"(\w+)\s*$")
 # Words that parentheses follow in a type, not a function's declarator (``_Atomic(int)``).
-_TYPE_OPERATORS = TYPEOF_WORDS | {"_Atomic", "_BitInt", "decltype", "__declspec", "__attribute__"}
+_TYPE_OPERATORS = TYPEOF_WORDS | {
+    "_Atomic",
+    "_BitInt",
+    "decltype",
+    "__declspec",
+    "__attribute__",
+    "__attribute",
+}
 _QUALIFIER_WORDS = frozenset(("const", "volatile", "restrict", "__restrict", "__restrict__"))
 _FUNCTION_MACRO = re.compile(r"^[ \t]*#[ \t]*define[ \t]+(\w+)\(", re.M)
 # C++'s typedef of a type that parentheses end (a function's, or a pointer to one's).
@@ -1101,7 +1108,7 @@ def signature_checks(
             # returns it in a register, dropped)
             del tested["array"], tested["function"]
         if what.read == "pointer":  # (a buffer's address, as a pointer or an array takes)
-            tested = {"agree": f"{kind} != 5"}
+            tested = {"function": tested["function"], "agree": f"{kind} != 5"}
         elif what.read is not None:  # (in a float or an integer register, of its size)
             floating = int(what.read.startswith("float"))
             tested["agree"] = f"({kind} == 8) != {floating} || {size} != {SIZES[what.read]}"
@@ -1132,6 +1139,14 @@ def signature_checks(
         for place, param in enumerate(params):  # (each by value, of a type not shown)
             typed = type_words(param)
             read = None if "&" in param else read_as(param, typed)
+            masked = _GNU_ATTRIBUTE.sub(lambda m: " " * len(m.group()), param)
+            # (a pointer to what a header's or a macro's type is, which a launch passes a
+            # buffer's address: checked to point to no function, ``cookie_read_function_t
+            # *f``, as its source's typedef is, ``_takes_function``. One to a header's
+            # function pointer, ``sighandler_t *h``, points to data, as ``void (**h)(int)``)
+            pointee = "*" in masked and not {"(", "[", "&"}.intersection(masked)
+            if read is None and pointee and unknown(typed):
+                read = "pointer"
             # (a name given types in #if branches is not known to a launch, also one the
             # source would read as a scalar -- ``size_t`` --: its answer is asked too)
             if read is None and (
@@ -1149,11 +1164,12 @@ def signature_checks(
             # function: the parameter is a pointer to it, the value its address)
             i = len(checked)
             value = f"asyncmetal_param_{i}"
-            masked = _GNU_ATTRIBUTE.sub(lambda m: " " * len(m.group()), param)
             spelled = re.findall(r"\w+", masked)
             if len(spelled) > 1 and spelled[-1] not in typed:
                 at = list(re.finditer(rf"\b{spelled[-1]}\b", masked))[-1]
                 declared = _REGISTER.sub(" ", param[: at.start()] + value + param[at.end() :])
+            elif pointee:  # (unnamed: its stars, and their qualifiers, before the name)
+                declared = f"{_REGISTER.sub(' ', param)} {value}"
             else:
                 declared = f"{' '.join(typed)} {value}"
             adjusted = f"asyncmetal_adjusted_{i}"
@@ -1336,19 +1352,24 @@ def checks_identity() -> str:
     """What names the checks ``signature_checks`` writes, for a compiler's identity (the
     compile cache's key): their file's name and a digest of the checks of a source that
     has each kind, which any change to what they are made of changes."""
-    sample = "T f(T a, int n, float *p) { return a; }"  # (T: a type the source does not show)
+    sample = "T f(T a, int n, float *p, T *q) { return a; }"  # (T: a type not shown)
     digest = hashlib.sha256(signature_checks(sample)[0].encode()).hexdigest()[:16]
     return f"{SIGNATURE_CHECKS_FILE}-{digest}"
 
 
 @functools.lru_cache(maxsize=1024)  # (most declarations repeat: ``int n``)
 def _plain_param(declaration: str) -> bool:
-    """Whether a parameter's ``declaration`` is plainly a pointer, or of a scalar type
-    named by the language's words (not by a typedef): one that no check is made of.
-    (What most kernels take: their sources are read no further.)"""
-    if "*" in declaration or "[" in declaration or declaration in ("...", "void"):
+    """Whether a parameter's ``declaration`` is plainly a pointer to what the language's
+    words name (a scalar, ``void``, a struct), or of such a scalar type (not one a
+    typedef names): one that no check is made of. (What most kernels take: their
+    sources are read no further.)"""
+    if "[" in declaration or declaration in ("...", "void"):
         return True
-    return scalar_type(type_words(declaration), {}) is not None
+    words = type_words(declaration)
+    bare = _GNU_ATTRIBUTE.sub(" ", declaration)
+    if "*" in bare and ("(" in bare or words[-1:] == ["void"] or _RECORD_KEYWORD.search(bare)):
+        return True
+    return scalar_type(words, {}) is not None
 
 
 def _takes_zero(declaration: str, known: Mapping[str, list[str]], not_scalars: set[str]) -> bool:
@@ -1648,6 +1669,7 @@ _NOT_FUNCTIONS = frozenset(
         "typeof",
         "__typeof__",
         "__attribute__",
+        "__attribute",
         "__declspec",
         "noexcept",
         "static_assert",
@@ -1753,10 +1775,11 @@ def _each_definition(text: str, name: str) -> Iterator[tuple[str, str, list[str]
         yield match.group(1), words, [] if body in ("", "void") else _split_top_level(body)
 
 
-# A GNU attribute (its parentheses balanced, three deep), and C11's and C++'s alignment
-# specifiers: no part of a type's words.
+# A GNU attribute (``__attribute__`` or ``__attribute``, both the compilers' spellings;
+# its parentheses balanced, three deep), and C11's and C++'s alignment specifiers: no
+# part of a type's words.
 _GNU_ATTRIBUTE = re.compile(
-    r"\b(?:__attribute__\s*\(\((?:[^()]|\((?:[^()]|\([^()]*\))*\))*\)\)"
+    r"\b(?:__attribute(?:__)?\s*\(\((?:[^()]|\((?:[^()]|\([^()]*\))*\))*\)\)"
     r"|(?:_Alignas|alignas|__align__)\s*\((?:[^()]|\([^()]*\))*\))"
 )
 _RECORD_KEYWORD = re.compile(r"\b(?:struct|union|class|enum)\b")

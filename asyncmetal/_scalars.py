@@ -191,8 +191,8 @@ _NEWLINE = re.compile("\n")
 _DIRECTIVE = re.compile(r"^[ \t]*#[ \t]*(\w+)(.*)$", re.M)
 _TYPE_MACRO = re.compile(r"[ \t]*(\w+)(?:[ \t]+([\w \t]*?))?[ \t]*$")
 # What a declaration holds besides its type and name: attributes (``[[...]]``, GNU's
-# ``__attribute__((unused))``), namespaces.
-_NOT_TYPE_WORDS = re.compile(r"\[\[.*?\]\]|__attribute__\s*\(\(.*?\)\)|\w+::")
+# ``__attribute__((unused))``, ``__attribute((unused))``), namespaces.
+_NOT_TYPE_WORDS = re.compile(r"\[\[.*?\]\]|__attribute(?:__)?\s*\(\(.*?\)\)|\w+::")
 
 
 def statements(

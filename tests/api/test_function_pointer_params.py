@@ -215,3 +215,119 @@ def test_a_header_s_pointer_to_data_stays_an_address(cc: str) -> None:
     assert "asyncmetal" not in compiler._last_log, compiler._last_log
     answered = answered_values(signature, "k", binary, src)
     assert answered.values == tuple(("uint64", p) for p in HEADER_DATA_POINTERS)
+
+
+# A value of a header's type with an attribute, in each spelling gcc and clang take
+# (``__attribute`` too), after the name or before the type.
+ATTRIBUTED_VALUES = [
+    "pid_t p __attribute((unused))",
+    "pid_t p __attribute__((unused))",
+    "__attribute((unused)) pid_t p",
+    "pid_t __attribute((unused)) p",
+    "int p __attribute((unused))",
+]
+
+
+@pytest.mark.parametrize("cc", ["gcc", "clang"])
+@pytest.mark.parametrize("param", ATTRIBUTED_VALUES)
+def test_an_attribute_of_either_spelling_is_no_function_s_parameter_list(
+    cc: str, param: str
+) -> None:
+    """``__attribute((unused))`` after a parameter's name is an attribute, as
+    ``__attribute__((unused))`` is: the value is read, not refused as a function
+    pointer. Checked: fails without the fix (``__attribute`` read as a function's name,
+    its parentheses as its parameter list: "is a function pointer")."""
+    if shutil.which(cc) is None:
+        pytest.skip(f"no {cc} here")
+    compiler = CCompiler(cc, ("-O2", *STRICT))
+    src = "#include <sys/types.h>\n" + HEADER_TYPES.replace("PARAM", param)
+    signature = compiler._signature(src, "k")
+    binary = compiler.compile(src)
+    assert answered_values(signature, "k", binary, src).values == (("int32", param),)
+
+
+def test_a_double_bracket_attribute_keeps_a_value() -> None:
+    """A C23 ``[[...]]`` attribute (gcc takes it in any C mode), before the type or
+    after the name, beside a typedef's and a parameter's ``__attribute``: each value is
+    read as its type."""
+    if shutil.which("gcc") is None:
+        pytest.skip("no gcc here")
+    src = (
+        "typedef int i32 __attribute((aligned(4)));\n"
+        "void k(int* out, [[maybe_unused]] i32 a, int b [[gnu::unused]],"
+        " int c __attribute((unused))) { out[0] = a; }"
+    )
+    compiler = CCompiler("gcc", ("-O2",))
+    signature = compiler._signature(src, "k")
+    answered = answered_values(signature, "k", compiler.compile(src), src)
+    assert answered.kinds == ("buffer", "value", "value", "value")
+    assert [scalar for scalar, _ in answered.values] == ["int32"] * 3
+
+
+# A pointer to a header's (or a macro's) function type: a function pointer, which the
+# source's ``*`` shows to be a pointer, not to what.
+HEADER_FUNCTION_POINTEES = [
+    "cookie_read_function_t *f",
+    "cookie_read_function_t * const f",
+    "READER *f",
+    "cookie_read_function_t *f __attribute((unused))",
+]
+# Pointers to data of a header's type: to a function pointer too (``sighandler_t *h``,
+# as ``void (**h)(int)`` is, a buffer of them), and to a function type's pointer.
+HEADER_POINTEES_OF_DATA = ["sighandler_t *h", "cookie_read_function_t **f", "FILE *s", "pid_t *p"]
+
+
+@pytest.mark.parametrize("cc", ["gcc", "clang"])
+@pytest.mark.parametrize("param", HEADER_FUNCTION_POINTEES)
+def test_a_pointer_to_a_header_s_function_type_is_refused(cc: str, param: str) -> None:
+    """Refused as a function pointer, naming the function and the parameter, under
+    strict warnings. Checked: fails without the fix (no check was made of a parameter
+    the source shows a ``*`` in: "DID NOT RAISE", the kernel's parameter a buffer)."""
+    if shutil.which(cc) is None:
+        pytest.skip(f"no {cc} here")
+    compiler = CCompiler(cc, ("-O2", *STRICT, "-DREADER=cookie_read_function_t"))
+    src = "#define _GNU_SOURCE\n#include <stdio.h>\n" + HEADER_TYPES.replace("PARAM", param)
+    with pytest.raises(am.CompileError, match="is a function pointer") as info:
+        compiler.compile(src)
+    assert info.value.name == "k" and repr(param) in str(info.value) and not info.value.log
+
+
+@pytest.mark.parametrize("cc", ["gcc", "clang"])
+def test_an_unnamed_pointer_to_a_header_s_function_type_is_refused(cc: str) -> None:
+    if shutil.which(cc) is None:
+        pytest.skip(f"no {cc} here")
+    src = "#define _GNU_SOURCE\n#include <stdio.h>\nvoid k(float* out, cookie_read_function_t *) {}"
+    with pytest.raises(am.CompileError, match="is a function pointer") as info:
+        CCompiler(cc, ("-O2",)).compile(src)
+    assert info.value.name == "k" and "'cookie_read_function_t *'" in str(info.value)
+
+
+@pytest.mark.parametrize("cc", ["gcc", "clang"])
+def test_a_header_s_pointers_to_data_stay_buffers(cc: str) -> None:
+    """Under strict warnings, the checks of them drawing none."""
+    if shutil.which(cc) is None:
+        pytest.skip(f"no {cc} here")
+    compiler = CCompiler(cc, ("-O2", *STRICT))
+    params = ", ".join(HEADER_POINTEES_OF_DATA)
+    src = "#define _GNU_SOURCE\n#include <stdio.h>\n" + HEADER_TYPES.replace("PARAM", params)
+    assert compiler._signature(src, "k").kinds == ("buffer",) * 5
+    compiler.compile(src)
+    assert "asyncmetal" not in compiler._last_log, compiler._last_log
+
+
+async def test_a_pointer_to_a_header_s_function_type_is_refused_by_a_device(
+    anyio_backend: object,
+) -> None:
+    """``dev.compile`` refuses it (it read it as a buffer); a pointer to a function
+    pointer stays one."""
+    src = "#define _GNU_SOURCE\n#include <stdio.h>\n" + HEADER_TYPES.replace(
+        "PARAM", "cookie_read_function_t *f"
+    )
+    async with am.open_device("cpu") as device:
+        with pytest.raises(am.CompileError, match="is a function pointer") as info:
+            await device.compile(src, "k")
+        assert info.value.name == "k" and "'cookie_read_function_t *f'" in str(info.value)
+        kept = await device.compile(
+            src.replace("cookie_read_function_t *f", "sighandler_t *h"), "k"
+        )
+        assert kept.params == ("buffer", "buffer")
