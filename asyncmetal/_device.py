@@ -2420,14 +2420,24 @@ def _close_all_at_exit() -> None:
     # (the interpreter reports it and runs the other exit hooks). One that lands
     # before the device's close began (as _close_native is entered) or as it returned
     # runs its close at exit again (``until_uninterrupted``), and that goes on from
-    # where it got to.
+    # where it got to. The devices are closed in turn inside one more of those, whose
+    # noting handler (the main thread's, at exit) takes one between two closes too.
     interrupts: list[KeyboardInterrupt] = []
-    for device in _devices():
-        interrupt = until_uninterrupted(_close_at_exit, device, [])
-        if interrupt is not None:
-            interrupts.append(interrupt)
+    interrupt = until_uninterrupted(_close_each_at_exit, interrupts, {})
+    if interrupt is not None:
+        interrupts.append(interrupt)
     if interrupts:
         raise interrupts[0]
+
+
+def _close_each_at_exit(interrupts: list[KeyboardInterrupt], begun: dict[int, list[bool]]) -> None:
+    """Each open device closed at exit (_close_at_exit), the Ctrl-Cs its closes took in
+    ``interrupts``; ``begun`` by device (its id: alive, on the open ones, while this
+    runs), for a call again to go on from where each got to."""
+    for device in _devices():
+        interrupt = until_uninterrupted(_close_at_exit, device, begun.setdefault(id(device), []))
+        if interrupt is not None:
+            interrupts.append(interrupt)
 
 
 def _close_at_exit(device: Device, begun: list[bool]) -> None:
