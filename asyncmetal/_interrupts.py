@@ -171,8 +171,14 @@ def until_uninterrupted(fn: Callable[..., object], *args: Any) -> KeyboardInterr
                     raise first  # noqa: B904 - the interrupt first, the error its context
                 raise
     finally:
-        if installed:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+        # Put back until it was: signal.signal is a Python function, whose entry may take
+        # an interrupt before it ran (the noting handler would then stay for good).
+        while installed:
+            try:
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                installed = False
+            except KeyboardInterrupt as exc:
+                interrupt = interrupt or exc
     return interrupt or (noted[0] if noted else None)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from types import CodeType, FunctionType
@@ -74,6 +75,7 @@ async def _sweep(
     ``codes`` in turn, until a close has no place left. Returns how many places were
     interrupted, and where the close left what (``left_by``: what else it left)."""
     natives = await native_closes(monkeypatch, device_name)
+    handler = signal.getsignal(signal.SIGINT)
     left: list[str] = []
     at = 0
     while True:
@@ -103,6 +105,8 @@ async def _sweep(
             assert caught == 0
             return at, left
         where = f"{at} ({raised[0]})"
+        # (a close's steps at exit note a Ctrl-C meanwhile: that handler put back after)
+        assert signal.getsignal(signal.SIGINT) is handler, where
         assert caught == 1, where  # the interrupt reaches the caller (or is reported), once
         if not dev.closed:
             # Before its first step (as the loop running them is entered): as at the
