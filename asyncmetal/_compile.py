@@ -556,13 +556,14 @@ def _not_scalar_typedefs(text: str) -> set[str]:
         )
     }
     text = _without_braces(text)
-    return records | {
+    found = records | {
         each
         for words, name, attribute in statements(text, _ANY_TYPEDEF, _TYPEDEF_WORD, _SEMICOLON)
         for typed, each in _value_declarators(words, name)
         if (_NOT_A_SCALAR.search(attribute) and each == name)  # a vector
         or (_NOT_A_SCALAR.search(typed) and scalar_type(type_words(f"{typed} {each}"), {}) is None)
     }
+    return _chained(_typedef_values(text), found)
 
 
 # A bfloat16's spellings (``__bf16``, CUDA's ``__nv_bfloat16``...).
@@ -571,15 +572,41 @@ _BFLOAT = re.compile(r"bfloat|bf16")
 
 def _bfloat_typedefs(text: str) -> set[str]:
     """The names ``text`` (stripped) typedefs as a bfloat16 (``_BFLOAT``), in any of the
-    ``#if`` branches that give a name types too (where ``typedefs`` knows it by none)."""
-    return {
-        each
-        for words, name, _ in statements(
-            _without_braces(text), _ANY_TYPEDEF, _TYPEDEF_WORD, _SEMICOLON
-        )
+    ``#if`` branches that give a name types too (where ``typedefs`` knows it by none),
+    also through typedefs of those names (``_chained``)."""
+    values = _typedef_values(_without_braces(text))
+    return _chained(values, {each for typed, each in values if _BFLOAT.search(typed)})
+
+
+def _typedef_values(text: str) -> list[tuple[str, str]]:
+    """Each value declarator (``_value_declarators``: no pointer, array or function) of
+    each typedef of ``text`` (its braces emptied), in any ``#if`` branch: its type's
+    words, and its name."""
+    return [
+        (typed, each)
+        for words, name, _ in statements(text, _ANY_TYPEDEF, _TYPEDEF_WORD, _SEMICOLON)
         for typed, each in _value_declarators(words, name)
-        if _BFLOAT.search(typed)
-    }
+        if not _DECLARATOR_MARK.search(typed)
+    ]
+
+
+def _chained(values: list[tuple[str, str]], names: set[str]) -> set[str]:
+    """``names`` and the names that typedefs (``values``: type words and name) make of
+    one of them, in turn (``typedef bf bf2; typedef const bf2 bf3;``): where ``#if``
+    branches give a name of the chain another type too, ``typedefs`` knows it by none,
+    and its words, the name alone, would show no such type. Eight steps at most, as
+    ``resolved`` takes; a cycle (``typedef a b; typedef b a;``) adds nothing more."""
+    names = set(names)
+    for _ in range(8):
+        more = {
+            each
+            for typed, each in values
+            if each not in names and names.intersection(_WORD.findall(typed))
+        }
+        if not more:
+            break
+        names |= more
+    return names
 
 
 def _value_declarators(words: str, name: str) -> list[tuple[str, str]]:
@@ -592,7 +619,13 @@ def _value_declarators(words: str, name: str) -> list[tuple[str, str]]:
         return [(words, name)]
     first = parts[0]
     marked = _DECLARATOR_MARK.search(first)
-    base = " ".join(type_words(first[: marked.start()] if marked else first))
+    spelled = first[: marked.start()] if marked else first
+    if marked and _POINTER_MARK.match(first, marked.start()):
+        # (what precedes a pointer's star is type words alone, an array's or a
+        # function's bracket its name too: a name put after them, that ``type_words``
+        # drops as the declarator's, keeps their last, ``const __bf16 *bfp``)
+        spelled += " name"
+    base = " ".join(type_words(spelled))
     found = []
     for i, part in enumerate(parts):
         if not _DECLARATOR_MARK.search(part):
@@ -601,6 +634,8 @@ def _value_declarators(words: str, name: str) -> list[tuple[str, str]]:
 
 
 _DECLARATOR_MARK = re.compile(r"[*&(\[]")
+_POINTER_MARK = re.compile(r"[*&]|\(\s*[*&^]")  # (a pointer's, not a name's)
+_WORD = re.compile(r"\w+")
 
 
 # Calling-convention attributes that make a function take its parameters in other
@@ -828,9 +863,18 @@ def refuse_non_scalars(src: str, name: str, values: list[str]) -> None:
     parameter declarations ``values`` whose type is no scalar that a launch value
     passes: a struct, class or union (also one a typedef names), a vector or matrix,
     ``long double``, a bfloat16 (numpy has no such scalar)..."""
-    known = typedefs(_strip(src))
-    not_scalars = _not_scalar_typedefs(_strip(src))
-    bfloats = _bfloat_typedefs(_strip(src))
+    text = _strip(src)
+    known = typedefs(text)
+    not_scalars = _not_scalar_typedefs(text)
+    bfloats = _bfloat_typedefs(text)
+    # (a name that a typedef ``typedefs`` does not read gives another type -- one of a
+    # declarator list, ``typedef __bf16 *bfp, bf;``, or with an attribute, in another
+    # #if branch than the one it reads -- is known by no one type either)
+    for typed, each in _typedef_values(_without_braces(text)):
+        if each in known and resolved(type_words(f"{typed} {each}"), {}) != resolved(
+            known[each], {}
+        ):
+            del known[each]
     for declaration in values:
         words = resolved(type_words(declaration), known)
         if TYPEOF_WORDS.intersection(words) and scalar_type(words, known) is None:
