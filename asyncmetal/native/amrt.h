@@ -508,7 +508,7 @@ uint64_t am_signal_committed_to(am_timeline *t);
 void am_metal_own(am_timeline *t, void *event, void *send, void *selector, void *retain,
                   void *release);
 void am_metal_disown(am_timeline *t);
-void am_metal_unsubmitting(am_timeline *t, uint64_t value);
+int am_metal_unsubmitting(am_timeline *t, uint64_t value, uint64_t to);
 int am_metal_submitting(am_timeline *t, uint64_t value, am_timeline *then,
                         uint64_t then_value);
 am_block *am_block_new(void *isa, int reached, am_timeline *timeline, uint64_t value);

@@ -477,15 +477,20 @@ int am_metal_submitting(am_timeline *t, uint64_t value, am_timeline *then,
 }
 
 /* Command `value`, noted by am_metal_submitting, was refused before its commit (no
- * handler of it will run): the note is taken back if no later one was made, and a failed
- * queue whose handlers ran through `value` - 1 settles now, as its last one would have. */
-void am_metal_unsubmitting(am_timeline *t, uint64_t value) {
+ * handler of it will run): returns whether its note was taken back -- to `to`, the
+ * caller's highest value below it whose note stands (those refused before it, whose
+ * notes a later one kept then, are skipped: this take-back is theirs too) -- or kept, a
+ * later note made (the caller then skips `value` as that one is taken back). Either way
+ * under t->mu, as every note: one made meanwhile is never lowered. A failed queue whose
+ * handlers ran through `to` settles now, as its last one would have. */
+int am_metal_unsubmitting(am_timeline *t, uint64_t value, uint64_t to) {
     pthread_mutex_lock(&t->mu);
-    int settle = 0;
-    if (t->submitted == value) {
-        t->submitted = value - 1;
-        settle = t->finished >= value - 1 && settle_marked(t, t->finished);
+    int taken = t->submitted == value, settle = 0;
+    if (taken) {
+        t->submitted = to;
+        settle = t->finished >= to && settle_marked(t, t->finished);
     }
     pthread_mutex_unlock(&t->mu);
     if (settle) settle_event(t);
+    return taken;
 }

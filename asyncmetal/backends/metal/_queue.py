@@ -292,8 +292,10 @@ class MetalQueue(NativeQueue):
         # holds it through its own commit, which routing keeps under MAX_IN_FLIGHT.
         self._commit_lock = threading.RLock()
         # The last command committed (under _commit_lock): one refused after its note
-        # was not (_unnote).
+        # was not (_unnote). And the commands refused whose notes a later note kept:
+        # skipped as that one is taken back (none above the last committed is needed).
         self._committed = 0
+        self._refused: set[int] = set()
 
     # -- submission -----------------------------------------------------------------------
 
@@ -341,14 +343,28 @@ class MetalQueue(NativeQueue):
         hand-over) -- a nil command buffer or encoder, an error encoding, a worker that
         did not start: unless it was committed, the note is taken back (its number goes
         back to the queue), and a failed queue whose handlers all ran settles now
-        (am_metal_unsubmitting) rather than wait for a handler of it. Called from each
-        site's ``except BaseException`` (a plain try costs nothing on the hot path; a
-        context manager's generator about a microsecond a command) -- but not on an
-        interrupt: the queue hands ``value`` over again (Queue._interrupted), and a
-        hand-over it cut may be held already."""
+        (am_metal_unsubmitting) rather than wait for a handler of it. Taken back below
+        the commands refused before it whose notes a later one kept (this one, or one
+        still to commit: then this one is skipped so in turn), so any run of refusals
+        leaves the last command that stands noted. Called from each site's ``except
+        BaseException`` (a plain try costs nothing on the hot path; a context manager's
+        generator about a microsecond a command) -- but not on an interrupt: the queue
+        hands ``value`` over again (Queue._interrupted), and a hand-over it cut may be
+        held already."""
         with self._commit_lock:
-            if self._committed != value:
-                self._backend.lib.am_metal_unsubmitting(self._timeline.c_timeline, value)
+            if self._committed == value:
+                return
+            refused = self._refused
+            if refused:  # (a later note committed stands: the walk stops there)
+                refused.difference_update([r for r in refused if r <= self._committed])
+            to = value - 1
+            while to in refused:
+                to -= 1
+            own = self._timeline.c_timeline
+            if self._backend.lib.am_metal_unsubmitting(own, value, to):
+                refused.difference_update(range(to + 1, value))
+            else:
+                refused.add(value)
 
     def _routing(self, value: int) -> bool:
         """Whether command ``value`` is committed from the queue's own thread, in order:

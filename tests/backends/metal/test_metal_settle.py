@@ -387,6 +387,49 @@ async def test_a_signal_refused_twice_on_the_queues_thread_fails_its_timeline(
             signalled.native.signal(MAX_VALUE)
 
 
+async def test_two_steps_refused_in_a_row_do_not_keep_a_failed_queue_unsettled(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two commands in a row whose steps on the queue's own thread raise, and whose empty
+    command buffers are refused too (3, then 4): neither runs a handler. The first's
+    note is kept by the later one (made already), whose take-back then goes below both:
+    the failed queue settles once its last committed command (2) completed. Checked
+    failing with the note taken back only to the value below the last: the host wait
+    for q.submitted + 1 ran past its fail_after (TimeoutError), q's own note left at 3."""
+    unwrapped(monkeypatch)  # (the copies below are staged on the queue's own thread)
+    reported: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: reported.append(args.exc_value))
+    async with am.open_device("metal") as dev:
+        q, own, view, faulted, _, buf = await _failing_behind_a_spin(dev)
+
+        def refuse(*args: object, **kw: object) -> None:
+            raise am.AsyncMetalError("commandBuffer returned nil (simulated)")
+
+        own._encode_and_commit = refuse  # type: ignore[method-assign]
+        try:
+            first = q.copy(buf, np.zeros(16, np.int32))  # 3: its step waits for 2 to run
+            second = q.copy(buf, np.ones(16, np.int32))  # 4: behind it
+            view[0] = 1
+            await _until(lambda: len(reported) == 2)  # (both empty commits' refusals)
+        finally:
+            del own._encode_and_commit
+            view[0] = 1
+        try:
+            with anyio.fail_after(5), pytest.raises(am.DeviceLostError, match="crash faulted"):
+                await faulted
+            with (
+                anyio.fail_after(5),
+                pytest.raises(am.ClosedResourceError, match="settled without"),
+            ):
+                await q.timeline.wait(q.submitted + 1)
+            assert q.timeline.value == MAX_VALUE
+            for copied in (first, second):
+                with anyio.fail_after(5), pytest.raises(am.AsyncMetalError, match="simulated"):
+                    await copied
+        finally:  # (unsettled, commands 3 and 4 would never be done: the close would wait)
+            own._timeline.signal(MAX_VALUE)
+
+
 # Run in a child: the simulated Metal aborts the interpreter on a message to a released
 # object.
 _HELD_HANDLER_AFTER_RELEASE = """
