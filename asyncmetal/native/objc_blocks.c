@@ -268,9 +268,12 @@ void am_block_completed(am_block *b, void *arg) {
     b->arg = arg;
     if (b->status_send) {
         long status = ((long (*)(void *, void *))b->status_send)(arg, b->status_selector);
-        uint64_t none = 0;
-        if (status == MTL_COMMAND_BUFFER_STATUS_ERROR)
-            atomic_compare_exchange_strong(&b->timeline->failed_command, &none, b->value);
+        /* (lowered from a later command whose refused commit failed the queue first,
+         * am_metal_unsubmitting: this one ran before it) */
+        uint64_t first = atomic_load(&b->timeline->failed_command);
+        while (status == MTL_COMMAND_BUFFER_STATUS_ERROR && (!first || b->value < first) &&
+               !atomic_compare_exchange_weak(&b->timeline->failed_command, &first, b->value)) {
+        }
     }
     uint64_t failed = atomic_load(&b->timeline->failed_command);
     if (b->copy_nbytes) memmove(b->copy_dst, b->copy_src, b->copy_nbytes);
@@ -482,8 +485,19 @@ int am_metal_submitting(am_timeline *t, uint64_t value, am_timeline *then,
  * notes a later one kept then, are skipped: this take-back is theirs too) -- or kept, a
  * later note made (the caller then skips `value` as that one is taken back). Either way
  * under t->mu, as every note: one made meanwhile is never lowered. A failed queue whose
- * handlers ran through `to` settles now, as its last one would have. */
-int am_metal_unsubmitting(am_timeline *t, uint64_t value, uint64_t to) {
+ * handlers ran through `to` settles now, as its last one would have. `fail`: the
+ * command's value is still to be reached, so the queue fails from it on, as from a
+ * command buffer that failed (failed_command, unless an earlier one failed: one found
+ * later lowers it, am_block_completed) -- its timeline is failed from there, and it
+ * settles as a failed queue does. */
+int am_metal_unsubmitting(am_timeline *t, uint64_t value, uint64_t to, int fail) {
+    if (fail) {
+        uint64_t failed = atomic_load(&t->failed_command);
+        while ((!failed || value < failed) &&
+               !atomic_compare_exchange_weak(&t->failed_command, &failed, value)) {
+        }
+        am_timeline_fail_from(t, value, AM_COMMAND_FAILED, value, t);
+    }
     pthread_mutex_lock(&t->mu);
     int taken = t->submitted == value, settle = 0;
     if (taken) {

@@ -250,9 +250,10 @@ class MetalQueue(NativeQueue):
         # queue's own) until it has noted what they say: another then sees that too.
         self._buffers_lock = threading.Lock()
         self._keep: KeepAlive = KeepAlive(timeline)
-        # The first of its command buffers that failed: it and every later one report
+        # The first of its command buffers that failed -- or of its commands refused on
+        # its own thread, never committed (_step_failed): it and every later one report
         # its error (another queue's commands report their own).
-        self._lost: DeviceLostError | None = None
+        self._lost: BaseException | None = None
         self._lost_from = 0
         # The queue's own thread, and what is held for it (_hand_over).
         self._worker: threading.Thread | None = None
@@ -338,7 +339,7 @@ class MetalQueue(NativeQueue):
         own = self._timeline.c_timeline
         return bool(self._backend.lib.am_metal_submitting(own, value, signalled, target))
 
-    def _unnote(self, value: int) -> None:
+    def _unnote(self, value: int, fail: bool = False) -> None:
         """Command ``value``, noted by _submitting, was refused before its commit (or its
         hand-over) -- a nil command buffer or encoder, an error encoding, a worker that
         did not start: unless it was committed, the note is taken back (its number goes
@@ -346,11 +347,12 @@ class MetalQueue(NativeQueue):
         (am_metal_unsubmitting) rather than wait for a handler of it. Taken back below
         the commands refused before it whose notes a later one kept (this one, or one
         still to commit: then this one is skipped so in turn), so any run of refusals
-        leaves the last command that stands noted. Called from each site's ``except
-        BaseException`` (a plain try costs nothing on the hot path; a context manager's
-        generator about a microsecond a command) -- but not on an interrupt: the queue
-        hands ``value`` over again (Queue._interrupted), and a hand-over it cut may be
-        held already."""
+        leaves the last command that stands noted. ``fail``: its value is never given
+        back (the command was handed over), so the queue fails from it on
+        (_step_failed). Called from each site's ``except BaseException`` (a plain try
+        costs nothing on the hot path; a context manager's generator about a
+        microsecond a command) -- but not on an interrupt: the queue hands ``value``
+        over again (Queue._interrupted), and a hand-over it cut may be held already."""
         with self._commit_lock:
             if self._committed == value:
                 return
@@ -361,7 +363,7 @@ class MetalQueue(NativeQueue):
             while to in refused:
                 to -= 1
             own = self._timeline.c_timeline
-            if self._backend.lib.am_metal_unsubmitting(own, value, to):
+            if self._backend.lib.am_metal_unsubmitting(own, value, to, fail):
                 refused.difference_update(range(to + 1, value))
             else:
                 refused.add(value)
@@ -507,14 +509,22 @@ class MetalQueue(NativeQueue):
         empty command buffer takes its place, so that the queue's timeline still gets
         there in order (with the waits it was to carry); a timeline it was to signal
         fails. That commit refused too (a nil command buffer), no handler of the command
-        runs: its note is taken back, as a refusal at submission's is (_unnote), and the
-        timeline it was to signal fails all the same."""
+        runs: its note is taken back, as a refusal at submission's is (_unnote), the
+        queue fails from it on (its value, which the queue keeps, is produced by nothing
+        else), and the timeline it was to signal fails all the same."""
         value, record, then = command
         self._step_errors[value] = keep_error(error)
         try:
             self._commit(value, lambda cb: None, None, None, record, None)
-        except BaseException:
-            self._unnote(value)
+        except BaseException as refused:
+            # Nothing produces its value now: the queue fails from it on, as from a
+            # command buffer that failed -- later commands report why (a fault before it,
+            # noted by a later reap, comes first: _note_status).
+            with self._buffers_lock:
+                if self._lost is None or value < self._lost_from:
+                    # (a copy: the refusal itself is raised on, with its traceback)
+                    self._lost, self._lost_from = keep_error(fresh_error(refused)), value
+            self._unnote(value, fail=True)
             raise
         finally:
             if then is not None:
@@ -649,7 +659,7 @@ class MetalQueue(NativeQueue):
         """Note command buffer ``cb`` (of command ``value``) if it is the first that
         failed: it and every later command report its error. Under _buffers_lock."""
         status = send(cb, "status", restype=c_ulong)
-        if status == STATUS_ERROR and self._lost is None:
+        if status == STATUS_ERROR and (self._lost is None or value < self._lost_from):
             error = describe_error(send(cb, "error"))
             self._lost = DeviceLostError(f"a Metal command buffer failed: {error}")
             self._lost_from = value
