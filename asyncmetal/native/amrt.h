@@ -510,6 +510,9 @@ uint64_t am_signal_committed_to(am_timeline *t);
 void am_metal_own(am_timeline *t, void *event, void *send, void *selector, void *retain,
                   void *release);
 void am_metal_disown(am_timeline *t);
+void am_metal_retain_into(void *const *objs, void **into, size_t n, void *send,
+                          void *selector);
+void am_metal_release_each(void **objs, size_t n, void *send, void *selector);
 int am_metal_unsubmitting(am_timeline *t, uint64_t value, uint64_t to, int fail);
 int am_metal_submitting(am_timeline *t, uint64_t value, am_timeline *then,
                         uint64_t then_value);

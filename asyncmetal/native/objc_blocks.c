@@ -508,3 +508,26 @@ int am_metal_unsubmitting(am_timeline *t, uint64_t value, uint64_t to, int fail)
     if (settle) settle_event(t);
     return taken;
 }
+
+/* Objects a Metal queue's close holds or lets go of with no Python code between (where a
+ * KeyboardInterrupt could land, and the close run again: MetalQueue._close): each of
+ * objs[0..n) that is not nil is sent `selector` (retain) through `send` (objc_msgSend)
+ * and put in into[i], which then says exactly what was retained. */
+void am_metal_retain_into(void *const *objs, void **into, size_t n, void *send,
+                          void *selector) {
+    for (size_t i = 0; i < n; i++) {
+        if (!objs[i]) continue;
+        ((void *(*)(void *, void *))send)(objs[i], selector);
+        into[i] = objs[i];
+    }
+}
+
+/* Each of objs[0..n) that is not nil is taken (its slot cleared) and sent `selector`
+ * (release) through `send`: called again, nothing is released twice. */
+void am_metal_release_each(void **objs, size_t n, void *send, void *selector) {
+    for (size_t i = 0; i < n; i++) {
+        void *obj = objs[i];
+        objs[i] = NULL;
+        if (obj) ((void (*)(void *, void *))send)(obj, selector);
+    }
+}

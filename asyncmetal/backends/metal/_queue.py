@@ -288,6 +288,12 @@ class MetalQueue(NativeQueue):
         # _lock, which a discard on a loop takes and must get at once); set once it ran.
         self._close_lock = threading.Lock()
         self._close_ran = False
+        # The command buffers a close holds while it drains them, and those its release
+        # took off the list and lets go of: kept here, a close that a KeyboardInterrupt
+        # cut, run again, lets go of what is left of them (each slot cleared as it is
+        # released, in C: see _close).
+        self._drained: ctypes.Array[c_void_p] | None = None
+        self._released: ctypes.Array[c_void_p] | None = None
         # The worker takes it once `commandBuffer` returned, which can block (1024
         # buffers in flight): a loop's flush never waits for that. A submitting thread
         # holds it through its own commit, which routing keeps under MAX_IN_FLIGHT.
@@ -1191,11 +1197,21 @@ class MetalQueue(NativeQueue):
                 self._worker.join()
         # Left to the worker, the buffers are released by it once its commit returns --
         # which the buffers drained here completing may let it do meanwhile: each is
-        # held here while it is drained.
+        # held here while it is drained. The holds are taken, and let go of, in C, with
+        # no Python code between a hold and its record in _drained: a KeyboardInterrupt
+        # anywhere here (a Ctrl-C as the device's close runs at exit, which runs this
+        # again) leaves each buffer held once, or not at all -- and the next run lets go
+        # of what it held first.
+        lib = self._backend.lib
+        msgsend, _, retain_sel, release_sel = _settle_call()
+        held = self._drained
+        if held is not None:
+            lib.am_metal_release_each(held, len(held), msgsend, release_sel)
         with self._buffers_lock:
             buffers = list(self._buffers)
-            for _, cb, _, _, _ in buffers:
-                retain(cb)
+            cbs = (c_void_p * len(buffers))(*[cb for _, cb, _, _, _ in buffers])
+            held = self._drained = (c_void_p * len(buffers))()
+            lib.am_metal_retain_into(cbs, held, len(buffers), msgsend, retain_sel)
         try:
             for at, (_, cb, _, _, blocked) in enumerate(buffers):
                 # At exit (abandon) drain what can complete, so no handler fires during
@@ -1206,8 +1222,7 @@ class MetalQueue(NativeQueue):
                     break
                 send(cb, "waitUntilCompleted", restype=None)
         finally:
-            for _, cb, _, _, _ in buffers:
-                release(cb)
+            lib.am_metal_release_each(held, len(held), msgsend, release_sel)
         if not later:
             self._release()
 
@@ -1222,13 +1237,24 @@ class MetalQueue(NativeQueue):
     def _release(self) -> None:
         # Those completed and not reaped yet say whether they failed first: a command
         # awaited after the close reports its fault (a reap finds none of them then).
+        # Then they go off the list into _released, which lets go of each once, in C: a
+        # KeyboardInterrupt anywhere here (the close run again: see _close) leaves each
+        # listed still, or in _released, or released.
+        lib = self._backend.lib
+        msgsend, _, _, release_sel = _settle_call()
+        left = self._released
+        if left is not None:
+            lib.am_metal_release_each(left, len(left), msgsend, release_sel)
         with self._buffers_lock:
-            buffers = list(self._buffers)
-            self._buffers.clear()
+            buffers = self._buffers
             for value, cb, _, _, _ in buffers:
                 self._note_status(value, cb)
-        for _, cb, _, _, _ in buffers:
-            release(cb)
+            if buffers:
+                cbs = [cb for _, cb, _, _, _ in buffers]
+                left = self._released = (c_void_p * len(cbs))(*cbs)
+                buffers.clear()
+        if left is not None:
+            lib.am_metal_release_each(left, len(left), msgsend, release_sel)
         self._release_dropped()  # (the MTLCommandQueue)
 
 
