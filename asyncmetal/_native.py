@@ -181,8 +181,10 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "am_signal_committed": (None, [c_p, c_u64]),
     "am_signal_committed_to": (c_u64, [c_p]),
     "am_metal_own": (None, [c_p, c_p, c_p, c_p, c_p, c_p]),
+    "am_metal_retain_into": (None, [c_p, c_p, ctypes.c_size_t, c_p, c_p]),
+    "am_metal_release_each": (None, [c_p, ctypes.c_size_t, c_p, c_p]),
     "am_metal_submitting": (c_int, [c_p, c_u64, c_p, c_u64]),
-    "am_metal_unsubmitting": (None, [c_p, c_u64]),
+    "am_metal_unsubmitting": (c_int, [c_p, c_u64, c_u64, c_int]),
 }
 MAX_ARGS = 16
 

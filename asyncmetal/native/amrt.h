@@ -141,7 +141,9 @@ typedef struct am_timeline {
      * Freed at none. */
     atomic_int refs;
     /* A Metal queue's own timeline: the value of its first command buffer that failed
-     * (0: none), set by that buffer's completion handler (am_block_completed). */
+     * (0: none), set by that buffer's completion handler (am_block_completed) -- or of
+     * its command whose commit was refused, its value never to be produced otherwise
+     * (am_metal_unsubmitting). */
     _Atomic uint64_t failed_command;
     /* A Metal queue's own timeline: its command buffers that completed and whose rise is
      * held until what they waited for settled (objc_blocks.c); later ones queue behind. */
@@ -508,7 +510,10 @@ uint64_t am_signal_committed_to(am_timeline *t);
 void am_metal_own(am_timeline *t, void *event, void *send, void *selector, void *retain,
                   void *release);
 void am_metal_disown(am_timeline *t);
-void am_metal_unsubmitting(am_timeline *t, uint64_t value);
+void am_metal_retain_into(void *const *objs, void **into, size_t n, void *send,
+                          void *selector);
+void am_metal_release_each(void **objs, size_t n, void *send, void *selector);
+int am_metal_unsubmitting(am_timeline *t, uint64_t value, uint64_t to, int fail);
 int am_metal_submitting(am_timeline *t, uint64_t value, am_timeline *then,
                         uint64_t then_value);
 am_block *am_block_new(void *isa, int reached, am_timeline *timeline, uint64_t value);

@@ -268,9 +268,12 @@ void am_block_completed(am_block *b, void *arg) {
     b->arg = arg;
     if (b->status_send) {
         long status = ((long (*)(void *, void *))b->status_send)(arg, b->status_selector);
-        uint64_t none = 0;
-        if (status == MTL_COMMAND_BUFFER_STATUS_ERROR)
-            atomic_compare_exchange_strong(&b->timeline->failed_command, &none, b->value);
+        /* (lowered from a later command whose refused commit failed the queue first,
+         * am_metal_unsubmitting: this one ran before it) */
+        uint64_t first = atomic_load(&b->timeline->failed_command);
+        while (status == MTL_COMMAND_BUFFER_STATUS_ERROR && (!first || b->value < first) &&
+               !atomic_compare_exchange_weak(&b->timeline->failed_command, &first, b->value)) {
+        }
     }
     uint64_t failed = atomic_load(&b->timeline->failed_command);
     if (b->copy_nbytes) memmove(b->copy_dst, b->copy_src, b->copy_nbytes);
@@ -477,15 +480,54 @@ int am_metal_submitting(am_timeline *t, uint64_t value, am_timeline *then,
 }
 
 /* Command `value`, noted by am_metal_submitting, was refused before its commit (no
- * handler of it will run): the note is taken back if no later one was made, and a failed
- * queue whose handlers ran through `value` - 1 settles now, as its last one would have. */
-void am_metal_unsubmitting(am_timeline *t, uint64_t value) {
+ * handler of it will run): returns whether its note was taken back -- to `to`, the
+ * caller's highest value below it whose note stands (those refused before it, whose
+ * notes a later one kept then, are skipped: this take-back is theirs too) -- or kept, a
+ * later note made (the caller then skips `value` as that one is taken back). Either way
+ * under t->mu, as every note: one made meanwhile is never lowered. A failed queue whose
+ * handlers ran through `to` settles now, as its last one would have. `fail`: the
+ * command's value is still to be reached, so the queue fails from it on, as from a
+ * command buffer that failed (failed_command, unless an earlier one failed: one found
+ * later lowers it, am_block_completed) -- its timeline is failed from there, and it
+ * settles as a failed queue does. */
+int am_metal_unsubmitting(am_timeline *t, uint64_t value, uint64_t to, int fail) {
+    if (fail) {
+        uint64_t failed = atomic_load(&t->failed_command);
+        while ((!failed || value < failed) &&
+               !atomic_compare_exchange_weak(&t->failed_command, &failed, value)) {
+        }
+        am_timeline_fail_from(t, value, AM_COMMAND_FAILED, value, t);
+    }
     pthread_mutex_lock(&t->mu);
-    int settle = 0;
-    if (t->submitted == value) {
-        t->submitted = value - 1;
-        settle = t->finished >= value - 1 && settle_marked(t, t->finished);
+    int taken = t->submitted == value, settle = 0;
+    if (taken) {
+        t->submitted = to;
+        settle = t->finished >= to && settle_marked(t, t->finished);
     }
     pthread_mutex_unlock(&t->mu);
     if (settle) settle_event(t);
+    return taken;
+}
+
+/* Objects a Metal queue's close holds or lets go of with no Python code between (where a
+ * KeyboardInterrupt could land, and the close run again: MetalQueue._close): each of
+ * objs[0..n) that is not nil is sent `selector` (retain) through `send` (objc_msgSend)
+ * and put in into[i], which then says exactly what was retained. */
+void am_metal_retain_into(void *const *objs, void **into, size_t n, void *send,
+                          void *selector) {
+    for (size_t i = 0; i < n; i++) {
+        if (!objs[i]) continue;
+        ((void *(*)(void *, void *))send)(objs[i], selector);
+        into[i] = objs[i];
+    }
+}
+
+/* Each of objs[0..n) that is not nil is taken (its slot cleared) and sent `selector`
+ * (release) through `send`: called again, nothing is released twice. */
+void am_metal_release_each(void **objs, size_t n, void *send, void *selector) {
+    for (size_t i = 0; i < n; i++) {
+        void *obj = objs[i];
+        objs[i] = NULL;
+        if (obj) ((void (*)(void *, void *))send)(obj, selector);
+    }
 }

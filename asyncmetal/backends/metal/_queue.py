@@ -250,9 +250,10 @@ class MetalQueue(NativeQueue):
         # queue's own) until it has noted what they say: another then sees that too.
         self._buffers_lock = threading.Lock()
         self._keep: KeepAlive = KeepAlive(timeline)
-        # The first of its command buffers that failed: it and every later one report
+        # The first of its command buffers that failed -- or of its commands refused on
+        # its own thread, never committed (_step_failed): it and every later one report
         # its error (another queue's commands report their own).
-        self._lost: DeviceLostError | None = None
+        self._lost: BaseException | None = None
         self._lost_from = 0
         # The queue's own thread, and what is held for it (_hand_over).
         self._worker: threading.Thread | None = None
@@ -287,13 +288,21 @@ class MetalQueue(NativeQueue):
         # _lock, which a discard on a loop takes and must get at once); set once it ran.
         self._close_lock = threading.Lock()
         self._close_ran = False
+        # The command buffers a close holds while it drains them, and those its release
+        # took off the list and lets go of: kept here, a close that a KeyboardInterrupt
+        # cut, run again, lets go of what is left of them (each slot cleared as it is
+        # released, in C: see _close).
+        self._drained: ctypes.Array[c_void_p] | None = None
+        self._released: ctypes.Array[c_void_p] | None = None
         # The worker takes it once `commandBuffer` returned, which can block (1024
         # buffers in flight): a loop's flush never waits for that. A submitting thread
         # holds it through its own commit, which routing keeps under MAX_IN_FLIGHT.
         self._commit_lock = threading.RLock()
         # The last command committed (under _commit_lock): one refused after its note
-        # was not (_unnote).
+        # was not (_unnote). And the commands refused whose notes a later note kept:
+        # skipped as that one is taken back (none above the last committed is needed).
         self._committed = 0
+        self._refused: set[int] = set()
 
     # -- submission -----------------------------------------------------------------------
 
@@ -336,19 +345,34 @@ class MetalQueue(NativeQueue):
         own = self._timeline.c_timeline
         return bool(self._backend.lib.am_metal_submitting(own, value, signalled, target))
 
-    def _unnote(self, value: int) -> None:
+    def _unnote(self, value: int, fail: bool = False) -> None:
         """Command ``value``, noted by _submitting, was refused before its commit (or its
         hand-over) -- a nil command buffer or encoder, an error encoding, a worker that
         did not start: unless it was committed, the note is taken back (its number goes
         back to the queue), and a failed queue whose handlers all ran settles now
-        (am_metal_unsubmitting) rather than wait for a handler of it. Called from each
-        site's ``except BaseException`` (a plain try costs nothing on the hot path; a
-        context manager's generator about a microsecond a command) -- but not on an
-        interrupt: the queue hands ``value`` over again (Queue._interrupted), and a
-        hand-over it cut may be held already."""
+        (am_metal_unsubmitting) rather than wait for a handler of it. Taken back below
+        the commands refused before it whose notes a later one kept (this one, or one
+        still to commit: then this one is skipped so in turn), so any run of refusals
+        leaves the last command that stands noted. ``fail``: its value is never given
+        back (the command was handed over), so the queue fails from it on
+        (_step_failed). Called from each site's ``except BaseException`` (a plain try
+        costs nothing on the hot path; a context manager's generator about a
+        microsecond a command) -- but not on an interrupt: the queue hands ``value``
+        over again (Queue._interrupted), and a hand-over it cut may be held already."""
         with self._commit_lock:
-            if self._committed != value:
-                self._backend.lib.am_metal_unsubmitting(self._timeline.c_timeline, value)
+            if self._committed == value:
+                return
+            refused = self._refused
+            if refused:  # (a later note committed stands: the walk stops there)
+                refused.difference_update([r for r in refused if r <= self._committed])
+            to = value - 1
+            while to in refused:
+                to -= 1
+            own = self._timeline.c_timeline
+            if self._backend.lib.am_metal_unsubmitting(own, value, to, fail):
+                refused.difference_update(range(to + 1, value))
+            else:
+                refused.add(value)
 
     def _routing(self, value: int) -> bool:
         """Whether command ``value`` is committed from the queue's own thread, in order:
@@ -491,14 +515,22 @@ class MetalQueue(NativeQueue):
         empty command buffer takes its place, so that the queue's timeline still gets
         there in order (with the waits it was to carry); a timeline it was to signal
         fails. That commit refused too (a nil command buffer), no handler of the command
-        runs: its note is taken back, as a refusal at submission's is (_unnote), and the
-        timeline it was to signal fails all the same."""
+        runs: its note is taken back, as a refusal at submission's is (_unnote), the
+        queue fails from it on (its value, which the queue keeps, is produced by nothing
+        else), and the timeline it was to signal fails all the same."""
         value, record, then = command
         self._step_errors[value] = keep_error(error)
         try:
             self._commit(value, lambda cb: None, None, None, record, None)
-        except BaseException:
-            self._unnote(value)
+        except BaseException as refused:
+            # Nothing produces its value now: the queue fails from it on, as from a
+            # command buffer that failed -- later commands report why (a fault before it,
+            # noted by a later reap, comes first: _note_status).
+            with self._buffers_lock:
+                if self._lost is None or value < self._lost_from:
+                    # (a copy: the refusal itself is raised on, with its traceback)
+                    self._lost, self._lost_from = keep_error(fresh_error(refused)), value
+            self._unnote(value, fail=True)
             raise
         finally:
             if then is not None:
@@ -633,7 +665,7 @@ class MetalQueue(NativeQueue):
         """Note command buffer ``cb`` (of command ``value``) if it is the first that
         failed: it and every later command report its error. Under _buffers_lock."""
         status = send(cb, "status", restype=c_ulong)
-        if status == STATUS_ERROR and self._lost is None:
+        if status == STATUS_ERROR and (self._lost is None or value < self._lost_from):
             error = describe_error(send(cb, "error"))
             self._lost = DeviceLostError(f"a Metal command buffer failed: {error}")
             self._lost_from = value
@@ -1165,11 +1197,21 @@ class MetalQueue(NativeQueue):
                 self._worker.join()
         # Left to the worker, the buffers are released by it once its commit returns --
         # which the buffers drained here completing may let it do meanwhile: each is
-        # held here while it is drained.
+        # held here while it is drained. The holds are taken, and let go of, in C, with
+        # no Python code between a hold and its record in _drained: a KeyboardInterrupt
+        # anywhere here (a Ctrl-C as the device's close runs at exit, which runs this
+        # again) leaves each buffer held once, or not at all -- and the next run lets go
+        # of what it held first.
+        lib = self._backend.lib
+        msgsend, _, retain_sel, release_sel = _settle_call()
+        held = self._drained
+        if held is not None:
+            lib.am_metal_release_each(held, len(held), msgsend, release_sel)
         with self._buffers_lock:
             buffers = list(self._buffers)
-            for _, cb, _, _, _ in buffers:
-                retain(cb)
+            cbs = (c_void_p * len(buffers))(*[cb for _, cb, _, _, _ in buffers])
+            held = self._drained = (c_void_p * len(buffers))()
+            lib.am_metal_retain_into(cbs, held, len(buffers), msgsend, retain_sel)
         try:
             for at, (_, cb, _, _, blocked) in enumerate(buffers):
                 # At exit (abandon) drain what can complete, so no handler fires during
@@ -1180,8 +1222,7 @@ class MetalQueue(NativeQueue):
                     break
                 send(cb, "waitUntilCompleted", restype=None)
         finally:
-            for _, cb, _, _, _ in buffers:
-                release(cb)
+            lib.am_metal_release_each(held, len(held), msgsend, release_sel)
         if not later:
             self._release()
 
@@ -1196,13 +1237,24 @@ class MetalQueue(NativeQueue):
     def _release(self) -> None:
         # Those completed and not reaped yet say whether they failed first: a command
         # awaited after the close reports its fault (a reap finds none of them then).
+        # Then they go off the list into _released, which lets go of each once, in C: a
+        # KeyboardInterrupt anywhere here (the close run again: see _close) leaves each
+        # listed still, or in _released, or released.
+        lib = self._backend.lib
+        msgsend, _, _, release_sel = _settle_call()
+        left = self._released
+        if left is not None:
+            lib.am_metal_release_each(left, len(left), msgsend, release_sel)
         with self._buffers_lock:
-            buffers = list(self._buffers)
-            self._buffers.clear()
+            buffers = self._buffers
             for value, cb, _, _, _ in buffers:
                 self._note_status(value, cb)
-        for _, cb, _, _, _ in buffers:
-            release(cb)
+            if buffers:
+                cbs = [cb for _, cb, _, _, _ in buffers]
+                left = self._released = (c_void_p * len(cbs))(*cbs)
+                buffers.clear()
+        if left is not None:
+            lib.am_metal_release_each(left, len(left), msgsend, release_sel)
         self._release_dropped()  # (the MTLCommandQueue)
 
 

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import asyncmetal as am
+from asyncmetal import _native
 from asyncmetal._queue import native_queue
 from asyncmetal._timeline import MAX_VALUE
 from asyncmetal.backends.metal import _queue as metal_queue
@@ -385,6 +386,160 @@ async def test_a_signal_refused_twice_on_the_queues_thread_fails_its_timeline(
         finally:  # (unsettled, command 4 would never be done: the close would wait for it)
             own._timeline.signal(MAX_VALUE)
             signalled.native.signal(MAX_VALUE)
+
+
+async def test_two_steps_refused_in_a_row_do_not_keep_a_failed_queue_unsettled(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two commands in a row whose steps on the queue's own thread raise, and whose empty
+    command buffers are refused too (3, then 4): neither runs a handler. The first's
+    note is kept by the later one (made already), whose take-back then goes below both:
+    the failed queue settles once its last committed command (2) completed. Checked
+    failing with the note taken back only to the value below the last: the host wait
+    for q.submitted + 1 ran past its fail_after (TimeoutError), q's own note left at 3."""
+    unwrapped(monkeypatch)  # (the copies below are staged on the queue's own thread)
+    reported: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: reported.append(args.exc_value))
+    async with am.open_device("metal") as dev:
+        q, own, view, faulted, _, buf = await _failing_behind_a_spin(dev)
+
+        def refuse(*args: object, **kw: object) -> None:
+            raise am.AsyncMetalError("commandBuffer returned nil (simulated)")
+
+        own._encode_and_commit = refuse  # type: ignore[method-assign]
+        try:
+            first = q.copy(buf, np.zeros(16, np.int32))  # 3: its step waits for 2 to run
+            second = q.copy(buf, np.ones(16, np.int32))  # 4: behind it
+            view[0] = 1
+            await _until(lambda: len(reported) == 2)  # (both empty commits' refusals)
+        finally:
+            del own._encode_and_commit
+            view[0] = 1
+        try:
+            with anyio.fail_after(5), pytest.raises(am.DeviceLostError, match="crash faulted"):
+                await faulted
+            with (
+                anyio.fail_after(5),
+                pytest.raises(am.ClosedResourceError, match="settled without"),
+            ):
+                await q.timeline.wait(q.submitted + 1)
+            assert q.timeline.value == MAX_VALUE
+            for copied in (first, second):
+                with anyio.fail_after(5), pytest.raises(am.AsyncMetalError, match="simulated"):
+                    await copied
+        finally:  # (unsettled, commands 3 and 4 would never be done: the close would wait)
+            own._timeline.signal(MAX_VALUE)
+
+
+async def test_a_step_refused_twice_on_a_healthy_queue_fails_the_queue_from_it(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a queue nothing failed, a command whose step on the queue's own thread raises
+    and whose empty command buffer is refused too has no handler to produce its value:
+    the queue fails from it on, as from a command buffer that failed. Its await raises
+    its step's error, its timeline settles failed from it (a wait for it raises), and a
+    command submitted after it fails too; the close does not wait for it. Checked
+    failing without that: the await of the command ran past its fail_after
+    (TimeoutError)."""
+    unwrapped(monkeypatch)  # (the copy below is staged on the queue's own thread)
+    reported: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: reported.append(args.exc_value))
+    async with am.open_device("metal") as dev:
+        spin = await dev.compile(SPIN_UNTIL, "spin_until")
+        fill = await dev.compile(MSL_KERNELS, "fill")
+        flag, buf = await dev.alloc(4), await dev.alloc(64)
+        await flag.write(np.zeros(1, np.int32))
+        view = np.frombuffer(dev._backend.host_view(flag._allocation.handle, 0, 4), np.int32)
+        q = dev.new_queue()
+        own = native_queue(q)
+        assert isinstance(own, MetalQueue)
+        spun = q.launch(spin, flag)  # 1: holds the GPU until the flag is set
+
+        def refuse(*args: object, **kw: object) -> None:
+            raise am.AsyncMetalError("commandBuffer returned nil (simulated)")
+
+        own._encode_and_commit = refuse  # type: ignore[method-assign]
+        try:
+            copied = q.copy(buf, np.zeros(16, np.int32))  # 2: its step waits for 1 to run
+            view[0] = 1
+            await _until(lambda: reported)  # (the empty commit's refusal, reported)
+        finally:
+            del own._encode_and_commit
+            view[0] = 1
+        try:
+            assert isinstance(reported[0], am.AsyncMetalError)
+            with anyio.fail_after(5):
+                await spun
+            with anyio.fail_after(5), pytest.raises(am.AsyncMetalError, match="simulated"):
+                await copied
+            with anyio.fail_after(5), pytest.raises(am.AsyncMetalError, match="simulated"):
+                await q.timeline.wait(2)
+            assert q.timeline.value == MAX_VALUE
+            with anyio.fail_after(5), pytest.raises(am.AsyncMetalError, match="nil"):
+                await q.launch(fill, buf, vals=(1, 16))
+        finally:  # (unsettled, command 2 would never be done: the close would wait for it)
+            if q.timeline.value < MAX_VALUE:
+                own._timeline.signal(MAX_VALUE)
+
+
+async def test_a_fault_found_after_a_later_refused_step_fails_the_queue_from_it(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A command refused twice on the queue's own thread (its step, then its empty
+    command buffer) fails the queue from it on before the handler of an earlier command
+    that faulted ran (held): that handler, once it runs, fails the queue from its own
+    command instead -- the native timeline from 1, and the await of the faulted command
+    raises its fault, as do later commands -- while the refused one still raises its
+    step's error. Checked failing without the fault noted below the refused command
+    (_note_status): the await of the faulted command returned; and without the native
+    mark lowered (am_block_completed): the timeline's failure stayed from 3."""
+    reported: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: reported.append(args.exc_value))
+    async with am.open_device("metal") as dev:
+        crash = await dev.compile(FAULTY, "crash")
+        fill = await dev.compile(MSL_KERNELS, "fill")
+        buf, gate = await dev.alloc(64), dev.timeline()
+        q = dev.new_queue()
+        own = native_queue(q)
+        assert isinstance(own, MetalQueue)
+        commit = own._encode_and_commit
+
+        def refuse_three(value: int, *args: Any, **kw: Any) -> None:
+            if value == 3:
+                raise am.AsyncMetalError("commandBuffer returned nil (simulated)")
+            commit(value, *args, **kw)
+
+        metal_sim.hold_handlers(own._queue, True)
+        try:
+            faulted = q.launch(crash, buf)  # 1: committed, its handler held
+            q.wait(gate, 1)  # 2: held on the queue's own thread, with what follows
+            own._encode_and_commit = refuse_three  # type: ignore[method-assign]
+            try:
+                refused = q.launch(fill, buf, vals=(1, 16))  # 3
+                gate.signal(1)
+                await _until(lambda: reported)  # (the empty commit's refusal, reported)
+            finally:
+                del own._encode_and_commit
+        finally:
+            metal_sim.hold_handlers(own._queue, False)
+        try:
+            assert isinstance(reported[0], am.AsyncMetalError)
+            with anyio.fail_after(5), pytest.raises(am.DeviceLostError, match="crash faulted"):
+                await faulted
+            with anyio.fail_after(5), pytest.raises(am.AsyncMetalError, match="simulated"):
+                await refused
+            with (
+                anyio.fail_after(5),
+                pytest.raises(am.ClosedResourceError, match="settled without"),
+            ):
+                await q.timeline.wait(q.submitted + 1)
+            failure = _native.timeline_failure(own._timeline.c_timeline)
+            assert failure is not None and failure.first == 1
+            with anyio.fail_after(5), pytest.raises(am.DeviceLostError, match="crash faulted"):
+                await q.launch(fill, buf, vals=(2, 16))
+        finally:
+            if q.timeline.value < MAX_VALUE:
+                own._timeline.signal(MAX_VALUE)
 
 
 # Run in a child: the simulated Metal aborts the interpreter on a message to a released
