@@ -1193,6 +1193,9 @@ class Device(Singular):
             ready: list[tuple[Any, list[tuple[Queue, int]]]] = []
             left: list[tuple[Any, list[tuple[Queue, int]]]] = []
             for native, reach in self._retired:
+                # (The timeline's value, not stream_reached: what a failed cuda queue
+                # reports before its stream gets there is past its skip, whose launches
+                # never reach the driver -- native/cuda_submit.c, cuq_run_op.)
                 done = all(queue.timeline.value >= value for queue, value in reach)
                 (ready if done else left).append((native, reach))
             self._retired = left
