@@ -46,7 +46,7 @@ def _codes(*closes: tuple[type, tuple[str, ...]]) -> set[Any]:
 CPU_CLOSE = (cpu.CPUQueue, ("close", "_close_handle"))
 CUDA_CLOSE = (
     cuda_queue.CUDAQueue,
-    ("close", "_close", "_close_handle", "_close_staging", "_keep_error", "_destroy_stream"),
+    ("close", "_close", "_close_handle", "_close_staging", "_destroy_stream"),
 )
 
 
