@@ -317,6 +317,10 @@ class Device(Singular):
         # that waited for it raise that.
         self._unstarted: tuple[HostEvents, BaseException] | None = None
         self._starting = 0  # close threads started that have not ended
+        # What the teardown's native close was called with, once it was: where that was
+        # cut as it was entered (the device still open once the teardown ended), a
+        # later close runs it again with them (_native_cut).
+        self._native_args: tuple[bool, frozenset[Queue]] | None = None
         # Its close drops what has not started (close(discard=), or a KeyboardInterrupt
         # reached it): what the dropped commands' errors say did it (discard's why).
         self._discarding: str | None = None
@@ -1193,6 +1197,9 @@ class Device(Singular):
             ready: list[tuple[Any, list[tuple[Queue, int]]]] = []
             left: list[tuple[Any, list[tuple[Queue, int]]]] = []
             for native, reach in self._retired:
+                # (The timeline's value, not stream_reached: what a failed cuda queue
+                # reports before its stream gets there is past its skip, whose launches
+                # never reach the driver -- native/cuda_submit.c, cuq_run_op.)
                 done = all(queue.timeline.value >= value for queue, value in reach)
                 (ready if done else left).append((native, reach))
             self._retired = left
@@ -1271,9 +1278,26 @@ class Device(Singular):
         """
         check_bool(discard, "discard")  # (before anything closes)
         require_loop()  # (also: its teardown would begin, then fail to be awaited)
+        failed: list[BaseException] = []
         with self._close_lock:  # one teardown, whichever thread closes first
             if self._closing is None and not self.closed:
                 self._closing = HostEvents()
+            # A teardown that ended with its native close cut: this close finishes it,
+            # on a thread of its own, and the closes meanwhile wait for that. Started
+            # here, with no call between the new events stored and the try: where no
+            # thread began, they end at once (the device left to a later close).
+            cut = self._native_cut()
+            if cut is not None:
+                self._closing = finishing = HostEvents()
+                finisher: threading.Thread | None = None
+                try:
+                    what = (cut, finishing, failed)
+                    finisher = threading.Thread(target=self._finish, args=what, name=CLOSE_THREAD)
+                    finisher.start()
+                except BaseException:
+                    if finisher is None or finisher.ident is None:  # (begun: it ends them)
+                        finishing.increment()
+                    raise
             # Until a teardown has begun, each close starts one (the first to begin runs
             # it, see _teardown): a KeyboardInterrupt may have stopped an earlier close
             # anywhere before its thread ran, and nothing else would ever end it.
@@ -1284,7 +1308,6 @@ class Device(Singular):
         if discard:
             # (A teardown under way sees it at its next count.)
             self._discarding = self._discarding or device_discarded(self.name)
-        failed: list[BaseException] = []
         if starts:
             # The teardown runs on a loop of its own, in a thread: nothing of the caller's
             # reaches it -- neither asyncio's own task.cancel() (a wait_for timeout, a
@@ -1310,6 +1333,34 @@ class Device(Singular):
         unstarted = self._unstarted
         if unstarted is not None and unstarted[0] is closing:  # (another close's start)
             raise unstarted[1]
+
+    def _native_cut(self) -> tuple[bool, frozenset[Queue]] | None:
+        """(Under _close_lock.) The arguments of a teardown's native close that was cut
+        as it was entered -- a KeyboardInterrupt there, raised by the close that awaited
+        it: the teardown has ended, and the device is still on the open ones (its native
+        close's last step takes it off, and an interrupt anywhere after the entry runs
+        the rest of it: ``until_uninterrupted``) -- else None."""
+        args, closing = self._native_args, self._closing
+        if args is None or closing is None or not closing.value:
+            return None
+        return args if any(d is self for d in _devices()) else None
+
+    def _finish(
+        self,
+        args: tuple[bool, frozenset[Queue]],
+        closing: HostEvents,
+        failed: list[BaseException],
+    ) -> None:
+        """A close's thread: the teardown's native close, cut as it was entered, run
+        with its arguments (each step may run again; nothing else of the teardown is
+        left: its waits were ended as the cut was raised)."""
+        try:
+            self._close_native(*args)
+        except BaseException as exc:
+            failed.append(exc)
+        finally:
+            failed += self._state.take_unheard_errors()
+            closing.increment()
 
     def _tear_down(
         self,
@@ -1359,8 +1410,9 @@ class Device(Singular):
             for queue in self._queues:  # what other devices' closes count on
                 queue._final = limits[queue]
             blocked = {q: limits[q] for q in self._queues if limits[q] < q.submitted}
+            args = self._native_args = (False, frozenset(blocked))
             try:
-                await to_thread(self._close_native, False, set(blocked))
+                await to_thread(self._close_native, *args)
             except Exception as exc:  # (raised by close once the waits below ended)
                 failed.append(exc)
             finally:

@@ -340,8 +340,10 @@ void cuq_waiting(am_cuq *q, am_cuq *other, uint64_t target, uint64_t command) {
 }
 
 /* Free a list of waiting records taken off their queue, letting go of the queues they
- * reference. Not under any queue's mu: the last reference frees that queue, which takes
- * the mu of the queues that wait on it (cuq_drop_waiters). */
+ * reference. Not under any queue's mu: the last reference frees that queue (cuq_free),
+ * which takes its own mu to forget its waiters -- with `first` 0 none of their queues'
+ * (cuq_drop_waiters) -- and lets go of the queues its records reference (waiting on it,
+ * or waited on), each one freed so taking only its own mu in turn. */
 void cuq_drop_waiting(am_cuwaiter *w) {
     while (w) {
         am_cuwaiter *next = w->next;

@@ -22,7 +22,8 @@ import asyncmetal as am
 from asyncmetal import _interrupts
 from asyncmetal.backends import cpu
 from asyncmetal.backends.cuda import _queue as cuda_queue
-from asyncmetal.backends.cuda._staging import Staging
+from asyncmetal.backends.cuda._backend import CUDABackend
+from asyncmetal.backends.cuda._staging import Staging, _HostCopier
 from tests.reliability.test_cuda_faults import _Driver, fake_driver
 from tests.support.interrupts import interrupted
 
@@ -46,7 +47,13 @@ def _codes(*closes: tuple[type, tuple[str, ...]]) -> set[Any]:
 CPU_CLOSE = (cpu.CPUQueue, ("close", "_close_handle"))
 CUDA_CLOSE = (
     cuda_queue.CUDAQueue,
-    ("close", "_close", "_close_handle", "_close_staging", "_keep_error", "_destroy_stream"),
+    ("close", "_close", "_close_handle", "_close_staging", "_destroy_stream"),
+)
+# The staging's close and what it gives its chunks back through.
+STAGING_CLOSE = (
+    (Staging, ("close",)),
+    (_HostCopier, ("close",)),
+    (CUDABackend, ("give_chunk",)),
 )
 
 
@@ -139,15 +146,33 @@ def driver(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Driver]:
     yield from fake_driver(monkeypatch)
 
 
+def _staged(staging: Staging) -> dict[str, Any]:
+    """Chunks of the device's pool put on each of ``staging``'s lists, as copies leave
+    them: one in the ring whose use ended, one whose use did not (a mark never written),
+    one reserved, one retired."""
+    backend: Any = staging._backend
+    ended, unended, reserved, retired = (backend.take_chunk() for _ in range(4))
+    staging._ring.extend([(ended, staging.marks, 0), (unended, staging.marks, 1)])
+    staging._count = 2
+    staging._reserved.append(reserved)
+    staging._retired.append(retired)
+    return {"ended": ended, "unended": unended, "reserved": reserved, "retired": retired}
+
+
 async def test_a_cuda_queue_close_cut_after_its_take_is_finished_once(
     anyio_backend: object, driver: _Driver, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Each place in turn, a queue with a staging (a large pageable copy's) among the
-    device's: every native queue closed once, the staging closed (its host-copy queues
-    each closed once), every stream destroyed once. Checked failing with the handle
-    taken before the rest ran unrecorded: from the native close's return on, the queue
-    cut there was never closed natively, its staging never closed and its stream never
-    destroyed ('stream 0x...: 0 destroys')."""
+    """Each place in turn -- the staging's close's among them -- a queue with a staging
+    (a large pageable copy's) among the device's: every native queue closed once, the
+    staging closed (its host-copy queues each closed once), every stream destroyed once,
+    and the staging's chunks back in the device's pool once each where their use ended
+    or was never begun (closed abandoning: the others stay out). Checked failing with
+    the handle taken before the rest ran unrecorded: from the native close's return on,
+    the queue cut there was never closed natively, its staging never closed and its
+    stream never destroyed ('stream 0x...: 0 destroys'); and with the staging's close
+    and give_chunk put back (its lists emptied once all were given back, each given
+    back again when it ran again): "86 (give_chunk c_return append): chunks in the pool
+    {'ended': 2, 'unended': 0, 'reserved': 1, 'retired': 0}" and more places alike."""
     assert driver.runtime is not None
     closes: collections.Counter[int] = collections.Counter()
     monkeypatch.setattr(
@@ -161,7 +186,15 @@ async def test_a_cuda_queue_close_cut_after_its_take_is_finished_once(
         return destroy(stream) if destroys[int(stream)] == 1 else (0,)
 
     monkeypatch.setattr(driver, "cuStreamDestroy", stream_destroy)
-    codes = _codes(CUDA_CLOSE, CPU_CLOSE)
+    pooled: list[list[Any]] = []  # the pool as the backend's close frees it (each time)
+    free_chunks = CUDABackend._free_chunks
+
+    def freeing(self: Any) -> None:
+        pooled.append(list(self._chunks))
+        free_chunks(self)
+
+    monkeypatch.setattr(CUDABackend, "_free_chunks", freeing)
+    codes = _codes(CUDA_CLOSE, CPU_CLOSE, *STAGING_CLOSE) | {Staging._unfinished.__code__}
     left: list[str] = []
     at = 0
     while True:
@@ -169,10 +202,12 @@ async def test_a_cuda_queue_close_cut_after_its_take_is_finished_once(
         natives: list[Any] = [dev.queue._native, dev.new_queue()._native]
         staging = natives[1]._staging = Staging(dev._backend)  # type: ignore[arg-type]
         copiers = _Lib(staging.copier.queues)
+        chunks = _staged(staging)
         handles = [n._q for n in natives]
         streams = [int(n.stream) for n in natives]
         closes.clear()
         destroys.clear()
+        pooled.clear()
         raised = _close(dev, at, codes)
         if not raised:
             break
@@ -186,6 +221,10 @@ async def test_a_cuda_queue_close_cut_after_its_take_is_finished_once(
         ]
         if copiers.left():
             left.append(f"{where}: staging's copy queues closed {copiers.left()}")
+        pool = [c for chunks_freed in pooled for c in chunks_freed]
+        given = {name: sum(c is chunk for c in pool) for name, chunk in chunks.items()}
+        if given != {"ended": 1, "unended": 0, "reserved": 1, "retired": 0}:
+            left.append(f"{where}: chunks in the pool {given}")
         at += 1
         assert at < MOST_PLACES
     assert at > 10 and left == [], left

@@ -219,8 +219,14 @@ class CUDABackend(Backend):
         return Chunk(STAGE_CHUNK, self.name)
 
     def give_chunk(self, chunk: Chunk) -> None:
+        """A chunk back to the pool; one there already is passed over: a staging's close
+        run again after an interrupt as this returned gives that chunk again. (Nothing
+        takes it in between: the run again follows at once, and an interrupt reaches a
+        staging's close only in its device's close on the main thread, at exit, the
+        device closed to copies.)"""
         with self._chunk_lock:
-            self._chunks.append(chunk)
+            if not any(c is chunk for c in self._chunks):
+                self._chunks.append(chunk)
 
     @keeps_context
     def _timeline_slot(self) -> int:

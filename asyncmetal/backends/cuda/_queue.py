@@ -961,14 +961,19 @@ class CUDAQueue(NativeQueue):
             handle = self._q
             if handle is not None:
                 code, _ = self._first_error()
+                # The closed queue's error stays reported, kept before the native queue
+                # can be freed: read in place (failure, fails_later: any thread, with no
+                # lock), it would be read from the freed queue meanwhile. (Stored with
+                # no call before the take: an interrupt finds both or neither.)
+                kept = ctypes.c_int(code)
                 self._left = [
                     (self._release_dropped.detach,),
                     (self._close_handle, int(abandon)),
                     (self._close_staging, code, abandon),
-                    (self._keep_error, code),
                     (self._destroy_stream,),
                     (self._keep.clear,),
                 ]
+                self._error = kept
                 self._native_left = handle
                 self._stream_left = None if self.adopted else self.stream
                 self._q = None
@@ -999,10 +1004,6 @@ class CUDAQueue(NativeQueue):
             failed = code != 0 or lost
             dropped = abandon or failed or self._discarded is not None
             self._staging.close(dropped, not abandon and not lost)
-
-    def _keep_error(self, code: int) -> None:
-        """(A step of _close.)"""
-        self._error = ctypes.c_int(code)  # the closed queue's error stays reported
 
     def _destroy_stream(self) -> None:
         """(A step of _close.) Its own stream, not an adopted one."""

@@ -233,23 +233,31 @@ class Staging:
         """``abandon``: the host threads stop where they are (a copy of a command that
         never ran may wait for a mark its stream never writes). ``idle``: the stream is
         past everything it was given (its queue closed without abandoning, in a process
-        whose CUDA state is not lost), so nothing writes a chunk any more."""
+        whose CUDA state is not lost), so nothing writes a chunk any more.
+
+        May run again after a KeyboardInterrupt (a step of its queue's close, at exit on
+        the main thread): each chunk is read off its list, not taken (no call between),
+        and taken off once its end returned, so a run again goes on from the chunk it
+        landed in -- given back again, which the pool passes over (``give_chunk``) --
+        and none is lost. (Its copy threads' queues close once: see CPUQueue.close.)"""
         self.copier.close(abandon)
-        for chunk, timeline, value in self._ring:
+        ring, reserved, retired = self._ring, self._reserved, self._retired
+        while ring:
+            chunk, timeline, value = ring[0]
             if not abandon or timeline.reached(value):  # its last use ended: back to the pool
                 self._backend.give_chunk(chunk)
             else:
                 self._unfinished(chunk, idle)
-        self._ring.clear()
-        for chunk in self._reserved:  # never used: nothing writes them
-            self._backend.give_chunk(chunk)
-        self._reserved.clear()
-        for chunk in self._retired:
+            del ring[0]
+        while reserved:  # never used: nothing writes them
+            self._backend.give_chunk(reserved[-1])
+            del reserved[-1]
+        while retired:
             if not abandon:
-                self._backend.give_chunk(chunk)
+                self._backend.give_chunk(retired[-1])
             else:
-                self._unfinished(chunk, idle)
-        self._retired.clear()
+                self._unfinished(retired[-1], idle)
+            del retired[-1]
 
     @staticmethod
     def _unfinished(chunk: Chunk, idle: bool) -> None:

@@ -153,3 +153,58 @@ def test_a_keyboard_interrupt_in_a_wait_for_the_lock_as_an_export_calls_leaves_i
             break
         at += 1
     assert at >= 2
+
+
+class _Freed(_Lib):
+    """A native queue of real memory whose first member is its error (read in place, as
+    am_cuq's); its close writes there what a freed allocation's first bytes hold (the
+    allocator's own link: seldom 0)."""
+
+    LINK = 0x5A5A5A5A
+
+    def __init__(self, error: int) -> None:
+        super().__init__()
+        self.memory = ctypes.c_int(error)
+        self.handle = ctypes.addressof(self.memory)
+
+    def am_cuq_error(self, handle: int, first: Any) -> int:
+        assert handle == self.handle and not self.freed, "the error asked of a freed queue"
+        first._obj.value = 3
+        return self.memory.value
+
+    def am_cuq_close(self, handle: int, abandon: int) -> None:
+        self.freed = True
+        self.memory.value = self.LINK
+
+
+class _Probe:
+    """A staging whose close (a step of the queue's close after its native close) reads
+    the queue's error as another thread may then."""
+
+    def __init__(self, queue: CUDAQueue) -> None:
+        self.queue = queue
+        self.seen: list[tuple[int, bool]] = []
+
+    def close(self, dropped: bool, freed: bool) -> None:
+        self.seen.append((self.queue._error.value, self.queue.fails_later()))
+
+
+@pytest.mark.parametrize("error", [0, 700])
+def test_a_closing_queue_s_error_is_never_read_from_its_freed_native_queue(error: int) -> None:
+    """Between the native close (which frees am_cuq) and the end of the queue's close,
+    its error -- read in place with no lock, by failure() and fails_later() on any
+    thread -- is the one kept at the close's take, not what the freed memory holds.
+    Checked failing before (the error kept only in a step after the staging's close):
+    'assert [(1515870810, False)] == [(0, False)]' (the freed memory's link read)."""
+    lib = _Freed(error)
+    queue = _queue(lib)  # type: ignore[arg-type]
+    queue._q = lib.handle
+    queue._release_dropped = weakref.finalize(queue, lambda: None)
+    queue._error = ctypes.c_int.from_address(lib.handle)  # (as made: am_cuq's first member)
+    queue._failed_from = ctypes.c_uint64(0)
+    probe = _Probe(queue)
+    queue._staging = probe  # type: ignore[assignment]
+    queue.close()
+    assert lib.freed
+    assert probe.seen == [(error, False)]
+    assert queue._error.value == error and queue._first_error() == (error, 3)
