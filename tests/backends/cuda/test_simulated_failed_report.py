@@ -105,11 +105,14 @@ def test_an_interrupted_question_of_how_far_a_failed_queue_got_leaves_no_lock_he
 
 @pytest.mark.anyio
 async def test_a_failed_cpu_queue_reports_what_it_holds_behind_a_lower_signal() -> None:
-    """The same program on cpu, whose failed queue's commands fail at once (its failed
-    signal fails the shared timeline as a whole: unlike cuda, not only from the higher
-    value)."""
+    """The same program on cpu, whose failed queue's commands fail at once; its failed
+    signal, as cuda's, fails the shared timeline only from the higher value, once the
+    lower signal ran (tests/reliability/test_failed_signal_order.py)."""
     async with am.open_device("cpu") as dev:
-        _check_held(await simulated_failed_report.held_signal(am, dev))
+        seen = await simulated_failed_report.held_signal(am, dev)
+    _check_held(seen)
+    assert seen["shared before gate"] == 0, seen
+    assert seen["shared 3"] == "done", seen
 
 
 @pytest.mark.parametrize("loop", LOOPS)

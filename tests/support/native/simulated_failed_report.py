@@ -7,7 +7,8 @@ SCENARIO saw, as JSON, on its last line (``run`` runs it, and reads that).
   ordered after another queue's lower signal of the same timeline, which is held
   behind a gate the program raises only after it awaited the failed wait.
 - ``held_signal``: as ``gated``, the later signal of a higher value and a command after
-  it awaited before the gate is raised.
+  it awaited before the gate is raised; ``held_signal_discarded``: the same, the failed
+  queue then closed with ``discard=True`` before the gate is raised.
 - ``refused_wait``: a queue's device wait on another queue's command in flight, refused
   by the driver (a fault) after its record with that queue was made, that queue then
   failing and settling before the refusal is looked at.
@@ -136,6 +137,17 @@ async def held_signal(am: Any, dev: Any) -> Seen:
     is signalled only once those were awaited (at most REPORT_S each).
     How each ended, ``shared``'s value before the gate, and how a host wait for 3 and
     for 5 of ``shared`` ended after it."""
+    return await _held_signal(dev, discard=False)
+
+
+async def held_signal_discarded(am: Any, dev: Any) -> Seen:
+    """As ``held_signal``, queue ``waiting`` then closed with ``discard=True`` before the
+    gate is raised (its signal of 5 dropped as it waits for the lower one): also how
+    that close ended ("close": "closed", or "still closing" after REPORT_S)."""
+    return await _held_signal(dev, discard=True)
+
+
+async def _held_signal(dev: Any, discard: bool) -> Seen:
     seen: Seen = {}
     waiting, discarded, _, gate, shared, doomed, lower, behind = _failing_behind(dev, 3, 5)
     after = waiting.marker()
@@ -152,6 +164,11 @@ async def held_signal(am: Any, dev: Any) -> Seen:
             seen["later"] = _error(exc)
         else:
             seen["later"] = await _awaited(later)
+    if discard:
+        seen["close"] = "still closing"
+        with anyio.move_on_after(REPORT_S):
+            await waiting.close(discard=True)
+            seen["close"] = "closed"
     seen["shared before gate"] = shared.value
     gate.signal(2)  # (only now: after the awaits of the failed queue's later commands)
     seen["lower"] = await _awaited(lower)
@@ -534,6 +551,7 @@ async def _reached_interrupted(sim: _Simulated) -> Seen:
 SCENARIOS = {
     "gated": _on_cuda(gated),
     "held_signal": _on_cuda(held_signal),
+    "held_signal_discarded": _on_cuda(held_signal_discarded),
     "reached_while_closing": _on_cuda(reached_while_closing),
     "refused_wait": _refused_wait,
     "refused_wait_number": _refused_wait_number,
