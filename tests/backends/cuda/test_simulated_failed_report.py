@@ -70,6 +70,24 @@ def test_a_failed_cuda_queue_reports_what_it_holds_behind_a_lower_signal(loop: s
 
 
 @pytest.mark.parametrize("loop", LOOPS)
+def test_a_discard_of_a_failed_cuda_queue_holding_a_signal_keeps_the_timeline_in_order(
+    loop: str,
+) -> None:
+    """The same program, the failed queue then closed with ``discard=True`` before the
+    gate is raised, its held signal (and the wait for the lower one before it) dropped:
+    the close ends at once, and the timeline still stays below the lower value until the
+    gate, gets it, and fails only from the higher one. Checked: with every dropped
+    signal failing its timeline at once (cuq_drop_refused), "shared before gate" was
+    2**64 - 1 and "shared 3" failed ("will not reach 3: ... discarded")."""
+    harness.skip_without_compiler()
+    seen = simulated_failed_report.run("held_signal_discarded", loop)
+    assert seen["close"] == "closed", seen
+    _check_held(seen)
+    assert seen["shared before gate"] == 0, seen
+    assert seen["shared 3"] == "done", seen
+
+
+@pytest.mark.parametrize("loop", LOOPS)
 def test_a_close_on_another_thread_waits_for_a_failed_queue_asked_how_far_it_got(
     loop: str,
 ) -> None:
