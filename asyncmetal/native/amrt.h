@@ -489,6 +489,10 @@ typedef struct am_block {
     const struct am_gate *gates;
     int ngates;
     int reserved3;
+    /* A value of `then` below then_value that another queue's signal gives it first
+     * (0: none): a failed signal fails it only once it got there (am_timeline_fail_after;
+     * MetalQueue._order). */
+    uint64_t then_after;
 } am_block;
 
 typedef struct am_gate {

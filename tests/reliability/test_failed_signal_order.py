@@ -4,9 +4,9 @@ first): the failed queue's commands raise at once, but the timeline keeps its va
 order -- it gets the lower value when that signal runs, and fails only from the higher
 one, then; a value a healthy queue signals is never reported failed. The same where
 the failed queue is closed with ``discard=True`` while its signal waits, and where the
-lower signal never runs (the device's close ends it all). On cpu, on asyncio and trio;
-cuda runs the same programs over the simulated driver
-(tests/backends/cuda/test_simulated_failed_report.py)."""
+lower signal never runs (the device's close ends it all). On each device the ``device``
+fixture opens (cpu; Metal, the simulation here); cuda runs the same programs over the
+simulated driver (tests/backends/cuda/test_simulated_failed_report.py)."""
 
 from __future__ import annotations
 
@@ -31,39 +31,39 @@ def _check_held(seen: dict[str, object]) -> None:
 
 
 async def test_a_failed_signal_held_behind_a_lower_one_fails_the_timeline_only_past_it(
-    anyio_backend: object,
+    device: am.Device,
 ) -> None:
     """Queue B fails behind a failed device wait, its signal of ``shared`` to 5 ordered
     after queue A's signal of it to 3, which waits for a gate: B's commands (the signal
     among them, and one submitted after) raise before the gate is raised; ``shared``
-    stays at 0 until then, gets 3 once A's signal ran, and fails only from 5. Checked: on
-    cpu, without the fix the failed signal failed ``shared`` as a whole at once ("shared
-    before gate": 2**64 - 1, "shared 3": "will not reach 3")."""
-    async with am.open_device("cpu") as dev:
-        with anyio.fail_after(LIMIT):
-            _check_held(await simulated_failed_report.held_signal(am, dev))
+    stays at 0 until then, gets 3 once A's signal ran, and fails only from 5. Checked:
+    without the fix the failed signal failed ``shared`` as a whole at once ("shared
+    before gate": 2**64 - 1, "shared 3": "will not reach 3") -- on cpu as its thread
+    passed it, on Metal as its command buffer's handler ran."""
+    with anyio.fail_after(LIMIT):
+        _check_held(await simulated_failed_report.held_signal(am, device))
 
 
 async def test_a_discard_of_a_failed_queue_holding_such_a_signal_fails_the_timeline_only_past_it(
-    anyio_backend: object,
+    device: am.Device,
 ) -> None:
-    """The same, B closed with ``discard=True`` before the gate is raised, its signal
-    dropped: the close ends at once, and ``shared`` still gets 3 first, failing only from
-    5."""
-    async with am.open_device("cpu") as dev:
-        with anyio.fail_after(LIMIT):
-            seen = await simulated_failed_report.held_signal_discarded(am, dev)
+    """The same, B closed with ``discard=True`` before the gate is raised (on cpu and
+    Metal its failed signal was passed already; cuda drops the one it holds): the close
+    ends at once, and ``shared`` still gets 3 first, failing only from 5. Checked as
+    above (the same failure without the fix)."""
+    with anyio.fail_after(LIMIT):
+        seen = await simulated_failed_report.held_signal_discarded(am, device)
     assert seen["close"] == "closed", seen
     _check_held(seen)
 
 
 async def test_a_device_closes_past_a_failed_signal_held_behind_one_that_never_runs(
-    anyio_backend: object,
+    anyio_backend: object, device_name: str
 ) -> None:
     """B's failed signal held behind A's lower one, whose gate is never raised: the
     device's close ends (A's signal abandoned), and waits for 3 and for 5 of ``shared``
     fail (ClosedResourceError), neither left waiting."""
-    dev = await am.open_device("cpu")
+    dev = await am.open_device(device_name)
     try:
         _, discarded, _, _, shared, doomed, _, behind = simulated_failed_report._failing_behind(
             dev, 3, 5

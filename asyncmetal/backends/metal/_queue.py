@@ -240,6 +240,13 @@ class MetalQueue(NativeQueue):
         # await of a command, which commits the wait it waits for) is then never half
         # way through a commit as a submission notes a wait or commits.
         self._unmarked = 0
+        # The last wait not made behind a failure of the queue (_host_wait): its
+        # timeline, target and command. A signal of that timeline right behind it (the
+        # wait by which Queue.signal orders it after another queue's lower signal of it,
+        # not committed yet) fails the timeline only once it got that target
+        # (am_block.then_after), as a cuda queue's held signal does -- a value a healthy
+        # queue signals is never reported failed. Under _commit_lock.
+        self._order: tuple[int | None, int, int] = (None, 0, 0)
         # The waits since the last buffer: its completion raises the queue's timeline
         # only once each reached its value or failed (_blocks.set_gates).
         self._gates: list[tuple[MetalTimeline | HostWait, int]] = []
@@ -579,6 +586,9 @@ class MetalQueue(NativeQueue):
             block.copy_dst, block.copy_src, block.copy_nbytes = copy_back
         if then is not None:
             block.then, block.then_value = then
+            ordered, below, at = self._order
+            if at == value - 1 and ordered == then[0]:
+                block.then_after = below
         # Its handler asks the command buffer's status and notes the queue's first that
         # failed: a signal of a failed one, or of one after it, fails its timeline
         # rather than raising it.
@@ -829,6 +839,7 @@ class MetalQueue(NativeQueue):
             # buffer, whose handler fails it, and those after it, by the queue's failure.
             with self._commit_lock:
                 self._unmarked = value
+                self._order = (wait.c_timeline, target, value)
             return
         self._hold_wait(wait, target, value)
 
