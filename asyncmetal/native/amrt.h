@@ -355,8 +355,8 @@ int64_t am_timeline_due(am_timeline *t, uint64_t v);
 #define AM_DISCARDED (-7)  /* dropped before it started: its queue was closed with discard */
 void am_timeline_fail(am_timeline *t, uint64_t target, int error, uint64_t value,
                       am_timeline *cause);
-AM_HIDDEN void am_timeline_fail_after(am_timeline *t, uint64_t after, uint64_t target,
-                                      int error, uint64_t value, am_timeline *cause);
+void am_timeline_fail_after(am_timeline *t, uint64_t after, uint64_t target, int error,
+                            uint64_t value, am_timeline *cause);
 void am_timeline_fail_from(am_timeline *t, uint64_t from, int error, uint64_t value,
                            am_timeline *cause);
 uint64_t am_timeline_failure(am_timeline *t, int *error, uint64_t *value, am_timeline **cause);

@@ -57,6 +57,27 @@ async def test_a_discard_of_a_failed_queue_holding_such_a_signal_fails_the_timel
     _check_held(seen)
 
 
+async def test_a_discarded_signal_waiting_for_a_lower_one_fails_the_timeline_only_past_it(
+    device: am.Device,
+) -> None:
+    """A queue that never failed, its signal of ``shared`` to 5 waiting for another
+    queue's signal of it to 3 (held behind a gate), closed with ``discard=True`` before
+    the gate is raised: the close ends at once and the dropped signal raises, but
+    ``shared`` stays at 0 until the gate, gets 3, and fails only from 5. Checked: without
+    the fix the dropped signal failed ``shared`` as a whole at once ("shared before
+    gate": 2**64 - 1, "shared 3": "will not reach 3") -- on Metal (MetalQueue._drop),
+    and on cpu with host_queues.c put back to before the failed signal's order (its
+    thread passes the signal behind the discarded wait as a failed queue's)."""
+    with anyio.fail_after(LIMIT):
+        seen = await simulated_failed_report.discarded_behind_lower(am, device)
+    assert seen["close"] == "closed", seen
+    assert "discard=True" in str(seen["higher"]), seen
+    assert seen["shared before gate"] == 0, seen
+    assert seen["lower"] == "done", seen
+    assert seen["shared 3"] == "done", seen
+    assert "will not reach 5" in str(seen["shared 5"]), seen
+
+
 async def test_a_device_closes_past_a_failed_signal_held_behind_one_that_never_runs(
     anyio_backend: object, device_name: str
 ) -> None:

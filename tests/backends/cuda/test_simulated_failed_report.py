@@ -88,6 +88,27 @@ def test_a_discard_of_a_failed_cuda_queue_holding_a_signal_keeps_the_timeline_in
 
 
 @pytest.mark.parametrize("loop", LOOPS)
+def test_a_discarded_cuda_signal_waiting_for_a_lower_one_keeps_the_timeline_in_order(
+    loop: str,
+) -> None:
+    """A cuda queue that never failed, its signal held on the host for another queue's
+    lower signal (behind a gate), closed with ``discard=True`` before the gate is raised:
+    the close ends, the dropped signal raises, and the timeline stays at 0 until the
+    gate, gets the lower value, and fails only from the higher one (as on cpu and Metal:
+    tests/reliability/test_failed_signal_order.py). Checked: with every dropped signal
+    failing its timeline at once (cuq_drop_refused), "shared before gate" was 2**64 - 1
+    and "shared 3" failed ("will not reach 3: ... discarded")."""
+    harness.skip_without_compiler()
+    seen = simulated_failed_report.run("discarded_behind_lower", loop)
+    assert seen["close"] == "closed", seen
+    assert "discard=True" in str(seen["higher"]), seen
+    assert seen["shared before gate"] == 0, seen
+    assert seen["lower"] == "done", seen
+    assert seen["shared 3"] == "done", seen
+    assert "will not reach 5" in str(seen["shared 5"]), seen
+
+
+@pytest.mark.parametrize("loop", LOOPS)
 def test_a_close_on_another_thread_waits_for_a_failed_queue_asked_how_far_it_got(
     loop: str,
 ) -> None:

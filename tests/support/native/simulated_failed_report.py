@@ -9,6 +9,9 @@ SCENARIO saw, as JSON, on its last line (``run`` runs it, and reads that).
 - ``held_signal``: as ``gated``, the later signal of a higher value and a command after
   it awaited before the gate is raised; ``held_signal_discarded``: the same, the failed
   queue then closed with ``discard=True`` before the gate is raised.
+- ``discarded_behind_lower``: a queue that never failed, its signal waiting for another
+  queue's lower signal held behind a gate, closed with ``discard=True`` before the gate
+  is raised.
 - ``refused_wait``: a queue's device wait on another queue's command in flight, refused
   by the driver (a fault) after its record with that queue was made, that queue then
   failing and settling before the refusal is looked at.
@@ -171,6 +174,34 @@ async def _held_signal(dev: Any, discard: bool) -> Seen:
             seen["close"] = "closed"
     seen["shared before gate"] = shared.value
     gate.signal(2)  # (only now: after the awaits of the failed queue's later commands)
+    seen["lower"] = await _awaited(lower)
+    for target in (3, 5):
+        seen[f"shared {target}"] = await _awaited(shared.wait(target))
+    return seen
+
+
+async def discarded_behind_lower(am: Any, dev: Any) -> Seen:
+    """On ``dev`` (any backend): queue ``other`` signals ``shared`` to 3 ("lower") behind
+    a wait for ``gate``; queue ``waiting``, which never failed, then signals it to 5
+    ("higher": it waits for the lower signal first) and is closed with ``discard=True``
+    before the gate is raised. How that close and "higher" ended (within REPORT_S),
+    ``shared``'s value before the gate, how "lower" ended once it is raised, and a host
+    wait for 3 and for 5 of ``shared`` after it."""
+    seen: Seen = {}
+    other, waiting = dev.new_queue(), dev.new_queue()
+    gate, shared = dev.timeline(), dev.timeline()
+    other.wait(gate, 1)
+    lower = other.signal(shared, 3)
+    higher = waiting.signal(shared, 5)
+    seen["close"] = "still closing"
+    with anyio.move_on_after(REPORT_S):
+        await waiting.close(discard=True)
+        seen["close"] = "closed"
+    seen["higher"] = "still waiting"
+    with anyio.move_on_after(REPORT_S):
+        seen["higher"] = await _awaited(higher)
+    seen["shared before gate"] = shared.value
+    gate.signal(1)
     seen["lower"] = await _awaited(lower)
     for target in (3, 5):
         seen[f"shared {target}"] = await _awaited(shared.wait(target))
@@ -552,6 +583,7 @@ SCENARIOS = {
     "gated": _on_cuda(gated),
     "held_signal": _on_cuda(held_signal),
     "held_signal_discarded": _on_cuda(held_signal_discarded),
+    "discarded_behind_lower": _on_cuda(discarded_behind_lower),
     "reached_while_closing": _on_cuda(reached_while_closing),
     "refused_wait": _refused_wait,
     "refused_wait_number": _refused_wait_number,
