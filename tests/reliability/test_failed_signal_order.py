@@ -78,6 +78,27 @@ async def test_a_discarded_signal_waiting_for_a_lower_one_fails_the_timeline_onl
     assert "will not reach 5" in str(seen["shared 5"]), seen
 
 
+async def test_a_failed_signal_held_behind_a_dropped_lower_one_fails_the_timeline_at_once(
+    device: am.Device,
+) -> None:
+    """B's failed signal of ``shared`` to 5 waits for A's signal of it to 3, and A is
+    closed with ``discard=True`` before its gate is raised (the lower signal will never
+    run): waits for 3 and for 5 of ``shared`` fail at once, neither left waiting for a
+    value that can no longer come."""
+    _, discarded, other, _, shared, doomed, _, behind = simulated_failed_report._failing_behind(
+        device, 3, 5
+    )
+    await discarded.close(discard=True)
+    with anyio.fail_after(LIMIT):
+        for done in (doomed, behind):
+            with pytest.raises(am.ClosedResourceError, match="discard=True"):
+                await done
+        await other.close(discard=True)
+        for target in (3, 5):
+            with pytest.raises(am.ClosedResourceError, match=f"will not reach {target}"):
+                await shared.wait(target)
+
+
 async def test_a_device_closes_past_a_failed_signal_held_behind_one_that_never_runs(
     anyio_backend: object, device_name: str
 ) -> None:
