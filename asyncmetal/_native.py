@@ -115,6 +115,7 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "am_host_starved": (c_int, []),
     "am_timeline_fail": (None, [c_p, c_u64, c_int, c_u64, c_p]),
     "am_timeline_fail_from": (None, [c_p, c_u64, c_int, c_u64, c_p]),
+    "am_timeline_fail_after": (None, [c_p, c_u64, c_u64, c_int, c_u64, c_p]),
     "am_timeline_failure": (
         c_u64,
         [c_p, ctypes.POINTER(c_int), ctypes.POINTER(c_u64), ctypes.POINTER(c_p)],

@@ -74,11 +74,15 @@ typedef struct am_notifier {
 struct am_timeline;
 
 /* A device wait held on the host until what satisfies it was handed to a device or the
- * host raised the word (timeline_defer): `fn` runs once, on the thread that got there. */
+ * host raised the word (timeline_defer), or a failure held until the value got there
+ * (am_timeline_fail_after): `fn` runs once, on the thread that got there. */
 typedef struct am_kick {
     struct am_kick *next;
     uint64_t target;
     void (*fn)(struct am_kick *);
+    int on_value;                   /* due once the timeline's value got there (or it
+                                       failed for it), not its word or a write handed
+                                       over (am_timeline_fail_after) */
 } am_kick;
 
 typedef struct am_watch {
@@ -353,6 +357,8 @@ int64_t am_timeline_due(am_timeline *t, uint64_t v);
 #define AM_DISCARDED (-7)  /* dropped before it started: its queue was closed with discard */
 void am_timeline_fail(am_timeline *t, uint64_t target, int error, uint64_t value,
                       am_timeline *cause);
+void am_timeline_fail_after(am_timeline *t, uint64_t after, uint64_t target, int error,
+                            uint64_t value, am_timeline *cause);
 void am_timeline_fail_from(am_timeline *t, uint64_t from, int error, uint64_t value,
                            am_timeline *cause);
 uint64_t am_timeline_failure(am_timeline *t, int *error, uint64_t *value, am_timeline **cause);
@@ -485,6 +491,10 @@ typedef struct am_block {
     const struct am_gate *gates;
     int ngates;
     int reserved3;
+    /* A value of `then` below then_value that another queue's signal gives it first
+     * (0: none): a failed signal fails it only once it got there (am_timeline_fail_after;
+     * MetalQueue._order). */
+    uint64_t then_after;
 } am_block;
 
 typedef struct am_gate {

@@ -21,13 +21,30 @@ static am_cuop *cuq_refused(am_cuq *q, uint64_t value, int r) {
     return dropped;
 }
 
-/* Drop operations a refused command left held: the timelines their signals would have
- * raised fail with it. Not under mu. */
+/* Drop operations a refused command left held (or a discard, or a failure, took off):
+ * the timelines their signals would have raised fail with it -- each only once it got
+ * the value of a signal of it that may still run and comes first in its order
+ * (am_timeline_fail_after): another queue's that the dropped wait right before the
+ * signal was for (Queue.signal orders a queue's signal after another queue's pending
+ * one so; held, it goes with the signal), or one handed to the driver, in flight. A
+ * value a queue that did not fail signals is never reported failed. Not under mu. */
 void cuq_drop_refused(am_cuq *q, am_cuop *op, int error, uint64_t value) {
+    am_timeline *order = NULL;  /* the last wait dropped, on a timeline: its command's */
+    uint64_t order_target = 0, order_value = 0;
     while (op) {
         am_cuop *next = op->next;
-        if (cuop_signals(op))
-            am_timeline_fail(op->extra, op->extra_value, error, value, q->timeline);
+        if (cuop_signals(op)) {
+            am_timeline *t = op->extra;
+            uint64_t after = t == order && op->value == order_value + 1 ? order_target : 0;
+            uint64_t handed = atomic_load(&t->handed);
+            if (handed > after && handed < op->extra_value) after = handed;
+            am_timeline_fail_after(t, after, op->extra_value, error, value, q->timeline);
+        }
+        if (op->kind == CUOP_WAIT && op->extra) {
+            order = op->extra;  /* (compared only: the signal's operation holds its own) */
+            order_target = op->target;
+            order_value = op->value;
+        }
         cuop_free(op);
         op = next;
     }

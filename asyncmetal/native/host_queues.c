@@ -422,6 +422,11 @@ static void *run(void *arg) {
 static void *run_commands(am_queue *q, starve_watch *starve) {
     am_cmd c;
     int settled = 0;  /* q's own timeline at UINT64_MAX (passed_all) */
+    /* The last command passed, failed, if a wait: the timeline and value it waited for
+     * (else NULL), which a failed signal of that timeline right behind it is ordered
+     * after (am_timeline_fail_after). Only a failed queue looks. */
+    am_timeline *order = NULL;
+    uint64_t order_target = 0;
 #ifdef __linux__
     /* Kernels run here, on the host's cores, which the event loops need too: at a nice
      * value above the loop's this thread yields to a loop thread that wakes (a lower
@@ -447,10 +452,19 @@ static void *run_commands(am_queue *q, starve_watch *starve) {
             __atomic_store_n(&c.record[2], 0, __ATOMIC_RELEASE);
             if (!failed) c.record[0] = now_ns();
         }
-        if (failed && c.kind == CMD_SIGNAL)  /* (a discarded signal names itself) */
-            am_timeline_fail(c.timeline, c.target, q->cause_error,
-                             q->cause_error == AM_DISCARDED ? c.value : q->cause_value,
-                             q->cause);
+        /* A failed signal right behind a wait on its timeline: the wait by which
+         * Queue.signal orders it after another queue's lower signal of it, not run yet
+         * (a wait a signal comes right behind is for a value a signal submitted before
+         * gets to: Queue.signal refuses one that would wait for itself). The timeline
+         * still gets that value first: it fails only once it got there, as a cuda
+         * queue's signal held behind such a wait fails (cuda_submit.c,
+         * cuq_wait_behind_skip) -- a value a healthy queue signals is never reported
+         * failed. (A discarded signal names itself.) */
+        if (failed && c.kind == CMD_SIGNAL)
+            am_timeline_fail_after(c.timeline, order == c.timeline ? order_target : 0,
+                                   c.target, q->cause_error,
+                                   q->cause_error == AM_DISCARDED ? c.value : q->cause_value,
+                                   q->cause);
         int busy = !failed && (c.kind == CMD_CALL || c.kind == CMD_COPY || c.kind == CMD_FILL);
         if (busy) atomic_fetch_add_explicit(&host_running, 1, memory_order_relaxed);
         if (!failed) switch (c.kind) {
@@ -495,7 +509,11 @@ static void *run_commands(am_queue *q, starve_watch *starve) {
             __atomic_store_n(&c.record[2], (int64_t)c.value, __ATOMIC_RELEASE);
         }
         /* (poisoned: written by this thread only) */
-        if (q->poisoned && !settled) settled = passed_all(q);
+        if (q->poisoned) {
+            if (!settled) settled = passed_all(q);
+            order = c.kind == CMD_WAIT ? c.timeline : NULL;  /* (compared only) */
+            order_target = c.target;
+        }
         am_timeline_signal(q->own, settled ? UINT64_MAX : c.value);
     }
     return NULL;

@@ -167,9 +167,10 @@ static void block_finish(am_block *b, uint64_t failed, int held) {
         am_timeline_signal(t, b->value);
     if (own_failed || wait_failed) wake_held(t);
     if (b->then && own_failed)
-        am_timeline_fail(b->then, b->then_value, AM_COMMAND_FAILED, failed, t);
+        am_timeline_fail_after(b->then, b->then_after, b->then_value, AM_COMMAND_FAILED,
+                               failed, t);
     else if (b->then && wait_failed)
-        am_timeline_fail(b->then, b->then_value, error, value, cause);
+        am_timeline_fail_after(b->then, b->then_after, b->then_value, error, value, cause);
     settle_failed(t, b->value);
     if (held) atomic_fetch_sub(&t->held_raises, 1);
     block_ran(b);
@@ -321,6 +322,7 @@ am_block *am_block_new(void *isa, int reached, am_timeline *timeline, uint64_t v
         b->copy_nbytes = 0;
         b->then = NULL;
         b->then_value = 0;
+        b->then_after = 0;
         b->status_send = NULL;
         b->status_selector = NULL;
         b->gates = NULL;

@@ -190,10 +190,10 @@ static uint64_t timeline_reached_for_devices(am_timeline *t) {
  * lowered again by a signal's word write landing after it (a store), which a queue whose
  * thread cannot confirm that write (cuda_completion.c, cuq_no_context) never raises
  * again. */
-static int kick_due(am_timeline *t, uint64_t target) {
-    if (timeline_failed_for(t, target)) return 1;
-    if (!t->word) return atomic_load(&t->value) >= target;
-    return timeline_reached_for_devices(t) >= target;
+static int kick_due(am_timeline *t, const am_kick *k) {
+    if (timeline_failed_for(t, k->target)) return 1;
+    if (!t->word || k->on_value) return atomic_load(&t->value) >= k->target;
+    return timeline_reached_for_devices(t) >= k->target;
 }
 
 /* The kicks due now, taken off the list (under mu): run them once mu is released. */
@@ -202,7 +202,7 @@ static am_kick *kicks_due(am_timeline *t) {
     am_kick *due = NULL, **p = &t->kicks;
     while (*p) {
         am_kick *k = *p;
-        if (kick_due(t, k->target)) {
+        if (kick_due(t, k)) {
             *p = k->next;
             k->next = due;
             due = k;
@@ -243,7 +243,7 @@ int timeline_defer(am_timeline *t, uint64_t target, am_kick *k) {
     k->next = t->kicks;
     t->kicks = k;
     atomic_store(&t->has_kicks, 1);
-    int ready = kick_due(t, target);
+    int ready = kick_due(t, k);
     if (ready) {
         t->kicks = k->next;
         atomic_store(&t->has_kicks, t->kicks != NULL);
@@ -275,6 +275,9 @@ void timeline_kick(am_timeline *t) {
     run_kicks(due);
 }
 
+static void timeline_fail(am_timeline *t, uint64_t after, uint64_t target, int error,
+                          uint64_t value, am_timeline *cause);
+
 /* A command that signals t (to `target`) failed, or will never run (its device closed
  * while it waited for a value nobody signalled: AM_ABANDONED): unless t got there
  * already, it settles -- its value and its word at UINT64_MAX, as a failed queue's own
@@ -285,9 +288,17 @@ void timeline_kick(am_timeline *t) {
  * queue's mu. */
 void am_timeline_fail(am_timeline *t, uint64_t target, int error, uint64_t value,
                       am_timeline *cause) {
+    timeline_fail(t, 0, target, error, value, cause);
+}
+
+/* am_timeline_fail; `after` (0: none) a value below target that t gets first, failed
+ * instead if t failed for it (then that failure stands) or closed (the close's failure
+ * stands, t not raised: am_timeline_close), looked at in the same hold of mu. */
+static void timeline_fail(am_timeline *t, uint64_t after, uint64_t target, int error,
+                          uint64_t value, am_timeline *cause) {
     pthread_mutex_lock(&t->mu);
     uint64_t reached = atomic_load(&t->value);
-    if (reached >= target) {
+    if (reached >= target || (after && (t->closed || timeline_failed_for(t, after)))) {
         pthread_mutex_unlock(&t->mu);
         timeline_keep_released(t);  /* (failed already: a later write may have landed) */
         return;
@@ -304,6 +315,48 @@ void am_timeline_fail(am_timeline *t, uint64_t target, int error, uint64_t value
     if (t->word) raise_word(t->word, AM_WORD_RELEASED);
     am_timeline_poke(t, UINT64_MAX);
     host_signalled();  /* cuda completion threads napping on a wait it releases */
+}
+
+/* A failure of t waiting for its value to get to `after` (am_timeline_fail_after): the
+ * kick is the record, first. */
+typedef struct {
+    am_kick kick;
+    am_timeline *t, *cause;
+    uint64_t target, value;
+    int error;
+} fail_after;
+
+static void fail_after_due(am_kick *k) {
+    fail_after *f = (fail_after *)k;
+    timeline_fail(f->t, k->target, f->target, f->error, f->value, f->cause);
+    timeline_unref(f->t);  /* the kick's (never the last: whoever got t there holds one) */
+    free(f);
+}
+
+/* A signal of t to `target` that never runs (its queue failed, or dropped it), ordered
+ * after a signal of t to `after`, lower, that may still run: the failed queue's wait
+ * for that one right before it (Queue.signal orders a queue's signal of a timeline
+ * after another queue's pending one so), or one handed to a driver. Signals of a
+ * timeline take effect in submission order, so t still gets `after` first: it fails
+ * (am_timeline_fail) from the value after the one it reached only once its value got
+ * there -- that signal ran, and, a device's, was confirmed -- and not at all if it
+ * failed for `after` instead, or closed (that signal failed, or a close abandoned it:
+ * that failure stands). At once if t got there already, or with no memory to wait
+ * (then from the value after what it reached, which may be below `after`). The wait is
+ * a kick on t's value (on_value: a device word raised, or a write handed over, is not
+ * the value confirmed), holding a reference of t until it runs: a close of t runs it
+ * (timeline_kick). Not under any queue's mu. */
+void am_timeline_fail_after(am_timeline *t, uint64_t after, uint64_t target, int error,
+                            uint64_t value, am_timeline *cause) {
+    fail_after *f = after < target && atomic_load(&t->value) < after ? malloc(sizeof *f) : NULL;
+    if (!f) {
+        timeline_fail(t, 0, target, error, value, cause);
+        return;
+    }
+    *f = (fail_after){.kick = {.fn = fail_after_due, .on_value = 1}, .t = t, .cause = cause,
+                      .target = target, .value = value, .error = error};
+    atomic_fetch_add(&t->refs, 1);
+    if (!timeline_defer(t, after, &f->kick)) fail_after_due(&f->kick);
 }
 
 /* t's values from `from` on will be reached without being produced (a cpu queue's

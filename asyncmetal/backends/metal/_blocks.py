@@ -64,6 +64,7 @@ class BlockLiteral(ctypes.Structure):
         ("gates", ctypes.c_void_p),
         ("ngates", ctypes.c_int),
         ("reserved3", ctypes.c_int),
+        ("then_after", ctypes.c_uint64),
     ]
 
 

@@ -240,6 +240,13 @@ class MetalQueue(NativeQueue):
         # await of a command, which commits the wait it waits for) is then never half
         # way through a commit as a submission notes a wait or commits.
         self._unmarked = 0
+        # The last wait not made behind a failure of the queue (_host_wait): its
+        # timeline, target and command. A signal of that timeline right behind it (the
+        # wait by which Queue.signal orders it after another queue's lower signal of it,
+        # not committed yet) fails the timeline only once it got that target
+        # (am_block.then_after), as a cuda queue's held signal does -- a value a healthy
+        # queue signals is never reported failed. Under _commit_lock.
+        self._order: tuple[int | None, int, int] = (None, 0, 0)
         # The waits since the last buffer: its completion raises the queue's timeline
         # only once each reached its value or failed (_blocks.set_gates).
         self._gates: list[tuple[MetalTimeline | HostWait, int]] = []
@@ -465,20 +472,34 @@ class MetalQueue(NativeQueue):
         self, step: Callable[..., None], args: tuple[Any, ...], command: _Command | None
     ) -> None:
         """On the worker, discarding: a held step is dropped. A command's signal fails
-        its timeline; a held wait is not encoded (nothing after it runs)."""
+        its timeline; a held wait is not encoded (nothing after it runs). A signal right
+        behind a dropped wait on its timeline (the wait by which Queue.signal orders it
+        after another queue's lower signal of it, not committed yet: held for it) fails
+        the timeline only once it got that value (am_timeline_fail_after), as a failed
+        signal's handler does (_order): a value a queue that did not fail signals is
+        never reported failed."""
         value = command.value if command is not None else 0
         if step in (self._hold_wait, self._host_wait):
             value = args[2]
+            if isinstance(args[0], MetalTimeline):
+                with self._commit_lock:
+                    self._order = (args[0].c_timeline, args[1], value)
         if not value:
             return  # (a flush: its wait's value is dropped already)
         self._discarded_from = self._discarded_from or value
         self._discarded_to = max(self._discarded_to, value)
         if command is not None and command.then is not None:
             target_timeline, target = command.then
-            self._backend.lib.am_timeline_fail(
-                target_timeline, target, AM_DISCARDED, value, self._timeline.c_timeline
+            ordered, below, at = self._order
+            after = below if at == value - 1 and ordered == target_timeline else 0
+            self._backend.lib.am_timeline_fail_after(
+                target_timeline, after, target, AM_DISCARDED, value, self._timeline.c_timeline
             )
             signalled = args[2]  # (a signal's keep: its timeline, see signal)
+            if after:
+                # (no GPU wait on it past `after`: nothing committed signals it that far,
+                # and the lower signal's own buffer raises its event)
+                return
             if isinstance(signalled, MetalTimeline):  # the GPU's waits on it end too
                 send(
                     signalled.event,
@@ -611,6 +632,9 @@ class MetalQueue(NativeQueue):
             block.copy_dst, block.copy_src, block.copy_nbytes = copy_back
         if then is not None:
             block.then, block.then_value = then
+            ordered, below, at = self._order
+            if at == value - 1 and ordered == then[0]:
+                block.then_after = below
         # Its handler asks the command buffer's status and notes the queue's first that
         # failed: a signal of a failed one, or of one after it, fails its timeline
         # rather than raising it.
@@ -861,6 +885,7 @@ class MetalQueue(NativeQueue):
             # buffer, whose handler fails it, and those after it, by the queue's failure.
             with self._commit_lock:
                 self._unmarked = value
+                self._order = (wait.c_timeline, target, value)
             return
         self._hold_wait(wait, target, value)
 

@@ -70,6 +70,45 @@ def test_a_failed_cuda_queue_reports_what_it_holds_behind_a_lower_signal(loop: s
 
 
 @pytest.mark.parametrize("loop", LOOPS)
+def test_a_discard_of_a_failed_cuda_queue_holding_a_signal_keeps_the_timeline_in_order(
+    loop: str,
+) -> None:
+    """The same program, the failed queue then closed with ``discard=True`` before the
+    gate is raised, its held signal (and the wait for the lower one before it) dropped:
+    the close ends at once, and the timeline still stays below the lower value until the
+    gate, gets it, and fails only from the higher one. Checked: with every dropped
+    signal failing its timeline at once (cuq_drop_refused), "shared before gate" was
+    2**64 - 1 and "shared 3" failed ("will not reach 3: ... discarded")."""
+    harness.skip_without_compiler()
+    seen = simulated_failed_report.run("held_signal_discarded", loop)
+    assert seen["close"] == "closed", seen
+    _check_held(seen)
+    assert seen["shared before gate"] == 0, seen
+    assert seen["shared 3"] == "done", seen
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_discarded_cuda_signal_waiting_for_a_lower_one_keeps_the_timeline_in_order(
+    loop: str,
+) -> None:
+    """A cuda queue that never failed, its signal held on the host for another queue's
+    lower signal (behind a gate), closed with ``discard=True`` before the gate is raised:
+    the close ends, the dropped signal raises, and the timeline stays at 0 until the
+    gate, gets the lower value, and fails only from the higher one (as on cpu and Metal:
+    tests/reliability/test_failed_signal_order.py). Checked: with every dropped signal
+    failing its timeline at once (cuq_drop_refused), "shared before gate" was 2**64 - 1
+    and "shared 3" failed ("will not reach 3: ... discarded")."""
+    harness.skip_without_compiler()
+    seen = simulated_failed_report.run("discarded_behind_lower", loop)
+    assert seen["close"] == "closed", seen
+    assert "discard=True" in str(seen["higher"]), seen
+    assert seen["shared before gate"] == 0, seen
+    assert seen["lower"] == "done", seen
+    assert seen["shared 3"] == "done", seen
+    assert "will not reach 5" in str(seen["shared 5"]), seen
+
+
+@pytest.mark.parametrize("loop", LOOPS)
 def test_a_close_on_another_thread_waits_for_a_failed_queue_asked_how_far_it_got(
     loop: str,
 ) -> None:
@@ -105,11 +144,14 @@ def test_an_interrupted_question_of_how_far_a_failed_queue_got_leaves_no_lock_he
 
 @pytest.mark.anyio
 async def test_a_failed_cpu_queue_reports_what_it_holds_behind_a_lower_signal() -> None:
-    """The same program on cpu, whose failed queue's commands fail at once (its failed
-    signal fails the shared timeline as a whole: unlike cuda, not only from the higher
-    value)."""
+    """The same program on cpu, whose failed queue's commands fail at once; its failed
+    signal, as cuda's, fails the shared timeline only from the higher value, once the
+    lower signal ran (tests/reliability/test_failed_signal_order.py)."""
     async with am.open_device("cpu") as dev:
-        _check_held(await simulated_failed_report.held_signal(am, dev))
+        seen = await simulated_failed_report.held_signal(am, dev)
+    _check_held(seen)
+    assert seen["shared before gate"] == 0, seen
+    assert seen["shared 3"] == "done", seen
 
 
 @pytest.mark.parametrize("loop", LOOPS)

@@ -7,7 +7,11 @@ SCENARIO saw, as JSON, on its last line (``run`` runs it, and reads that).
   ordered after another queue's lower signal of the same timeline, which is held
   behind a gate the program raises only after it awaited the failed wait.
 - ``held_signal``: as ``gated``, the later signal of a higher value and a command after
-  it awaited before the gate is raised.
+  it awaited before the gate is raised; ``held_signal_discarded``: the same, the failed
+  queue then closed with ``discard=True`` before the gate is raised.
+- ``discarded_behind_lower``: a queue that never failed, its signal waiting for another
+  queue's lower signal held behind a gate, closed with ``discard=True`` before the gate
+  is raised.
 - ``refused_wait``: a queue's device wait on another queue's command in flight, refused
   by the driver (a fault) after its record with that queue was made, that queue then
   failing and settling before the refusal is looked at.
@@ -136,6 +140,17 @@ async def held_signal(am: Any, dev: Any) -> Seen:
     is signalled only once those were awaited (at most REPORT_S each).
     How each ended, ``shared``'s value before the gate, and how a host wait for 3 and
     for 5 of ``shared`` ended after it."""
+    return await _held_signal(dev, discard=False)
+
+
+async def held_signal_discarded(am: Any, dev: Any) -> Seen:
+    """As ``held_signal``, queue ``waiting`` then closed with ``discard=True`` before the
+    gate is raised (its signal of 5 dropped as it waits for the lower one): also how
+    that close ended ("close": "closed", or "still closing" after REPORT_S)."""
+    return await _held_signal(dev, discard=True)
+
+
+async def _held_signal(dev: Any, discard: bool) -> Seen:
     seen: Seen = {}
     waiting, discarded, _, gate, shared, doomed, lower, behind = _failing_behind(dev, 3, 5)
     after = waiting.marker()
@@ -152,8 +167,41 @@ async def held_signal(am: Any, dev: Any) -> Seen:
             seen["later"] = _error(exc)
         else:
             seen["later"] = await _awaited(later)
+    if discard:
+        seen["close"] = "still closing"
+        with anyio.move_on_after(REPORT_S):
+            await waiting.close(discard=True)
+            seen["close"] = "closed"
     seen["shared before gate"] = shared.value
     gate.signal(2)  # (only now: after the awaits of the failed queue's later commands)
+    seen["lower"] = await _awaited(lower)
+    for target in (3, 5):
+        seen[f"shared {target}"] = await _awaited(shared.wait(target))
+    return seen
+
+
+async def discarded_behind_lower(am: Any, dev: Any) -> Seen:
+    """On ``dev`` (any backend): queue ``other`` signals ``shared`` to 3 ("lower") behind
+    a wait for ``gate``; queue ``waiting``, which never failed, then signals it to 5
+    ("higher": it waits for the lower signal first) and is closed with ``discard=True``
+    before the gate is raised. How that close and "higher" ended (within REPORT_S),
+    ``shared``'s value before the gate, how "lower" ended once it is raised, and a host
+    wait for 3 and for 5 of ``shared`` after it."""
+    seen: Seen = {}
+    other, waiting = dev.new_queue(), dev.new_queue()
+    gate, shared = dev.timeline(), dev.timeline()
+    other.wait(gate, 1)
+    lower = other.signal(shared, 3)
+    higher = waiting.signal(shared, 5)
+    seen["close"] = "still closing"
+    with anyio.move_on_after(REPORT_S):
+        await waiting.close(discard=True)
+        seen["close"] = "closed"
+    seen["higher"] = "still waiting"
+    with anyio.move_on_after(REPORT_S):
+        seen["higher"] = await _awaited(higher)
+    seen["shared before gate"] = shared.value
+    gate.signal(1)
     seen["lower"] = await _awaited(lower)
     for target in (3, 5):
         seen[f"shared {target}"] = await _awaited(shared.wait(target))
@@ -534,6 +582,8 @@ async def _reached_interrupted(sim: _Simulated) -> Seen:
 SCENARIOS = {
     "gated": _on_cuda(gated),
     "held_signal": _on_cuda(held_signal),
+    "held_signal_discarded": _on_cuda(held_signal_discarded),
+    "discarded_behind_lower": _on_cuda(discarded_behind_lower),
     "reached_while_closing": _on_cuda(reached_while_closing),
     "refused_wait": _refused_wait,
     "refused_wait_number": _refused_wait_number,
