@@ -537,8 +537,9 @@ class CUDAQueue(NativeQueue):
         ``MAX_IN_FLIGHT`` commands unconfirmed) so far and now; naps cut short by a host
         signal. For benchmarks and tests."""
         out = (ctypes.c_uint64 * 8)()
-        if self._q is not None:
-            self._lib.am_cuq_stats(self._q, out)
+        with self._closing_lock:  # (a close on another thread frees it: see reached)
+            if self._q is not None:
+                self._lib.am_cuq_stats(self._q, out)
         keys = (
             "queries",
             "blocking_waits",
@@ -552,6 +553,15 @@ class CUDAQueue(NativeQueue):
         return dict(zip(keys, out, strict=True))
 
     def _first_error(self) -> tuple[int, int]:
+        # Asked on any thread (failure, fails_later: a loop's, of a failed queue only)
+        # while a close on another may free the native queue: read under the lock its
+        # take is made under, taken as itself (see reached).
+        with self._closing_lock:
+            return self._first_error_held()
+
+    def _first_error_held(self) -> tuple[int, int]:
+        """(Under _closing_lock.) The queue's first error and the value it failed from,
+        read from the native queue while there is one, else as last read."""
         if self._q is not None:
             first = ctypes.c_uint64()
             code = self._lib.am_cuq_error(self._q, ctypes.byref(first))
@@ -960,7 +970,7 @@ class CUDAQueue(NativeQueue):
         with self._closing_lock:
             handle = self._q
             if handle is not None:
-                code, _ = self._first_error()
+                code, _ = self._first_error_held()
                 # The closed queue's error stays reported, kept before the native queue
                 # can be freed: read in place (failure, fails_later: any thread, with no
                 # lock), it would be read from the freed queue meanwhile. (Stored with

@@ -208,3 +208,105 @@ def test_a_closing_queue_s_error_is_never_read_from_its_freed_native_queue(error
     assert lib.freed
     assert probe.seen == [(error, False)]
     assert queue._error.value == error and queue._first_error() == (error, 3)
+
+
+class _Contended:
+    """A lock (as _closing_lock is used: with, acquire, release) that notes a thread
+    finding it held."""
+
+    def __init__(self, contended: threading.Event) -> None:
+        self._lock = threading.Lock()
+        self._contended = contended
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if self._lock.acquire(False):
+            return True
+        self._contended.set()
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class _Failed(_Lib):
+    """A failed queue's native calls: the first read of its error or its stats (by the
+    reader thread) held until released."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def _read(self, name: str, handle: object) -> None:
+        if threading.current_thread().name == "reader" and not self.entered.is_set():
+            assert handle == 1234 and not self.freed, f"{name} on a freed queue"
+            self.entered.set()
+            self.release.wait(10)
+        assert handle == 1234 and not self.freed, f"{name} read from a freed queue"
+        self.reads.append(name)
+
+    def am_cuq_error(self, handle: int, first: Any) -> int:
+        self._read("error", handle)
+        first._obj.value = 3
+        return 700
+
+    def am_cuq_stats(self, handle: int, out: Any) -> None:
+        self._read("stats", handle)
+        out[0] = 5
+
+
+@pytest.mark.parametrize("read", ["fails_later", "failure", "stats"])
+def test_a_failed_queue_s_error_read_on_one_thread_as_another_closes_it(read: str) -> None:
+    """failure() and fails_later() of a failed queue read its error from the native
+    queue on a loop's thread (an await of a completion), stats() on any, while a close
+    on another thread frees it: the read holds the close's take off until it returned.
+    Checked failing before (the handle read with no lock, the close free to free it
+    meanwhile): 'AssertionError: error read from a freed queue' (stats likewise)."""
+    lib = _Failed()
+    queue = _queue(lib)  # type: ignore[arg-type]
+    contended = threading.Event()
+    queue._closing_lock = _Contended(contended)  # type: ignore[assignment]
+    queue._closing = threading.Condition(queue._closing_lock)  # type: ignore[arg-type]
+    queue._error = ctypes.c_int(700)
+    queue._failed_from = ctypes.c_uint64(3)
+    queue._backend = type("B", (), {"name": "cuda:0"})()
+    got: list[object] = []
+
+    def reader() -> None:
+        try:
+            if read == "stats":
+                got.append(queue.stats()["queries"])
+            elif read == "failure":
+                got.append(type(queue.failure(4)).__name__)
+            else:
+                got.append(queue.fails_later())
+        except BaseException as exc:
+            got.append(exc)
+
+    thread = threading.Thread(target=reader, name="reader")
+    thread.start()
+    assert lib.entered.wait(10)
+    ended = threading.Event()
+
+    def close() -> None:
+        try:
+            queue.close()
+        finally:
+            ended.set()
+            contended.set()
+
+    closer = threading.Thread(target=close)
+    closer.start()
+    assert contended.wait(10)  # (the close ended, or waits for the read)
+    lib.release.set()
+    thread.join(10)
+    closer.join(10)
+    assert ended.is_set() and lib.freed
+    expected = {"stats": 5, "failure": "AsyncMetalError", "fails_later": False}[read]
+    assert got == [expected]
+    assert queue._first_error() == (700, 3)
