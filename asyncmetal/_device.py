@@ -181,6 +181,36 @@ RECOUNT_S = 0.05  # a close waiting for its queues counts what can complete this
 # not by a hundred times its own length. It holds the submission lock for REAP_CHUNK
 # uses on the blocks' records at a time.
 CLOSE_THREAD = "asyncmetal close"  # the name of the threads that run closes
+
+
+class _CloseThread:
+    """A close's thread, running ``target(*args)``. Whether it began is told by a
+    handshake, not by its ident: Thread.start may raise (no thread to be had, or a
+    KeyboardInterrupt anywhere in it, also once the thread runs and before its ident is
+    set), and then the starter calls it off. Under one lock (its __enter__ C: no
+    interrupt in it) the thread either claims the run first or, called off, returns
+    without running ``target``: what its end would do is the starter's then."""
+
+    def __init__(self, target: Callable[..., None], *args: Any) -> None:
+        self._lock = threading.Lock()
+        self._begun = self._off = False
+        self._target, self._args = target, args
+        self.thread = threading.Thread(target=self._run, name=CLOSE_THREAD)
+
+    def _run(self) -> None:
+        with self._lock:
+            self._begun = not self._off
+        if self._begun:
+            self._target(*self._args)
+
+    def call_off(self) -> bool:
+        """(Where its start raised.) Whether it never ran ``target`` and now never will;
+        the same each time asked (called again after an interrupt)."""
+        with self._lock:
+            self._off = not self._begun
+        return self._off
+
+
 REAP_S = 0.05
 REAP_MAX_S = 0.5
 REAP_DUTY = 100
@@ -1285,18 +1315,26 @@ class Device(Singular):
             # A teardown that ended with its native close cut: this close finishes it,
             # on a thread of its own, and the closes meanwhile wait for that. Started
             # here, with no call between the new events stored and the try: where no
-            # thread began, they end at once (the device left to a later close).
+            # thread began, they end at once (the device left to a later close),
+            # whatever interrupts land in the handler (each goes round again; each step
+            # may run again) -- left at 0, every later close would wait for good.
             cut = self._native_cut()
             if cut is not None:
                 self._closing = finishing = HostEvents()
-                finisher: threading.Thread | None = None
+                finisher: _CloseThread | None = None
                 try:
-                    what = (cut, finishing, failed)
-                    finisher = threading.Thread(target=self._finish, args=what, name=CLOSE_THREAD)
-                    finisher.start()
+                    finisher = _CloseThread(self._finish, cut, finishing, failed)
+                    finisher.thread.start()
                 except BaseException:
-                    if finisher is None or finisher.ident is None:  # (begun: it ends them)
-                        finishing.increment()
+                    ended = False
+                    while not ended:
+                        try:
+                            # (Begun: it ends them.)
+                            if (finisher is None or finisher.call_off()) and not finishing.value:
+                                finishing.increment()
+                            ended = True
+                        except KeyboardInterrupt:
+                            pass
                     raise
             # Until a teardown has begun, each close starts one (the first to begin runs
             # it, see _teardown): a KeyboardInterrupt may have stopped an earlier close
@@ -1316,16 +1354,24 @@ class Device(Singular):
             # a shielded scope (and, between checkpoints, in whatever Python code runs).
             run = functools.partial(self._teardown, closing, failed)
             args = (run, closing, failed)
-            thread: threading.Thread | None = None
+            thread: _CloseThread | None = None
             try:
-                thread = threading.Thread(target=self._tear_down, args=args, name=CLOSE_THREAD)
-                thread.start()
+                thread = _CloseThread(self._tear_down, *args)
+                thread.thread.start()
             except BaseException:  # (no thread to be had, or an interrupt before it began)
-                if thread is None or thread.ident is None:  # (begun: it gives its count back)
-                    # (Else a later close's thread, whose loop cannot be made, would count
-                    # on this one to begin the teardown: nothing would end their waits.)
-                    with self._close_lock:
-                        self._starting -= 1
+                # Its count given back once, whatever interrupts land here (as above).
+                # (Else a later close's thread, whose loop cannot be made, would count on
+                # this one to begin the teardown: nothing would end their waits.)
+                given = False
+                while not given:
+                    try:
+                        if thread is None or thread.call_off():  # (begun: it gives it back)
+                            with self._close_lock:
+                                self._starting -= not given
+                                given = True
+                        given = True
+                    except KeyboardInterrupt:
+                        pass
                 raise
         await _until_closed(closing, self._interrupted)  # (another close's, or this one's)
         if failed:
