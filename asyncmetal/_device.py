@@ -184,7 +184,11 @@ CLOSE_THREAD = "asyncmetal close"  # the name of the threads that run closes
 
 
 class _CloseThread:
-    """A close's thread, running ``target(*args)``. Whether it began is told by a
+    """A close's thread, running ``target(*args)``: never a daemon, whoever starts it --
+    a close awaited on a daemon thread's loop too. Inheriting that thread's daemon flag
+    it would not be joined at exit, and the exit hook would find its device still open
+    and run a native close beside its own (see _close_at_exit): joined, it ends first,
+    as one started from the main thread does. Whether it began is told by a
     handshake, not by its ident: Thread.start may raise (no thread to be had, or a
     KeyboardInterrupt anywhere in it, also once the thread runs and before its ident is
     set), and then the starter calls it off. Under one lock (its __enter__ C: no
@@ -195,7 +199,7 @@ class _CloseThread:
         self._lock = threading.Lock()
         self._begun = self._off = False
         self._target, self._args = target, args
-        self.thread = threading.Thread(target=self._run, name=CLOSE_THREAD)
+        self.thread = threading.Thread(target=self._run, name=CLOSE_THREAD, daemon=False)
 
     def _run(self) -> None:
         with self._lock:
