@@ -166,3 +166,39 @@ async def test_a_close_that_abandons_a_signal_of_another_devices_timeline_fails_
         with anyio.fail_after(LIMIT):
             await dev.close()
     _check_abandoned(seen, "cpu", held)
+
+
+def _check_after_lower(seen: dict[str, object], closed: str) -> None:
+    """``simulated_failed_report.abandoned_after_lower``'s: the abandoned higher signal
+    fails ``shared`` only past the lower one, which still runs."""
+    assert seen["close"] == "closed", seen
+    assert "was closed while" in str(seen["higher"]), seen
+    assert seen["shared before gate"] == 0, seen
+    assert seen["lower"] == "done", seen
+    assert seen["shared 2"] == "done", seen
+    error = str(seen["shared 3"])
+    assert error.startswith("ClosedResourceError"), seen
+    assert f"{closed} was closed while that command waited" in error, seen
+
+
+async def test_a_close_that_abandons_a_signal_of_another_devices_timeline_keeps_its_order(
+    anyio_backend: object,
+) -> None:
+    """The abandoned signal of ``shared`` (to 3) is ordered after a lower one (to 2) by a
+    queue of ``shared``'s device, held behind a gate raised only after the close:
+    ``shared`` stays at 0 through the close, gets 2 once the gate is raised, and only
+    then fails from 3, naming the close. Checked: without the fix the wait for 3 was
+    still waiting after REPORT_S; failed at once instead, ``shared`` would not get 2."""
+    dev = await am.open_device("cpu")
+    try:
+        other = await am.open_device("cpu")
+        try:
+            with anyio.fail_after(LIMIT):
+                seen = await simulated_failed_report.abandoned_after_lower(am, dev, other)
+        finally:
+            with anyio.fail_after(LIMIT):
+                await other.close()
+    finally:
+        with anyio.fail_after(LIMIT):
+            await dev.close()
+    _check_after_lower(seen, "cpu")

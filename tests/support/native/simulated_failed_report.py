@@ -32,6 +32,9 @@ SCENARIO saw, as JSON, on its last line (``run`` runs it, and reads that).
   of ``cuda:0`` behind a wait nothing signals, and ``cuda:1`` closes (abandoning it);
   ``abandoned_across_held``: the same, a failed queue of ``cuda:0`` holding its signal
   of that timeline to a higher value behind the abandoned one.
+- ``abandoned_across_after_lower`` (two simulated GPUs): the abandoned signal ordered
+  after a lower signal of that timeline by a queue of ``cuda:0``, held behind a gate
+  raised only after the close.
 """
 
 from __future__ import annotations
@@ -616,14 +619,45 @@ async def abandoned_across(am: Any, dev: Any, other: Any, held: bool) -> Seen:
     return seen
 
 
-async def _abandoned_across(sim: _Simulated, held: bool = False) -> Seen:
-    """``abandoned_across`` on the simulated ``cuda:0`` (``shared``'s) and ``cuda:1``."""
+async def abandoned_after_lower(am: Any, dev: Any, other: Any) -> Seen:
+    """Queue ``first`` of ``dev`` signals ``shared``, a timeline of ``dev``, to 2
+    ("lower") behind a wait for ``gate``; queue ``signaller`` of device ``other`` signals
+    it to 3 ("higher": ordered after the lower one) behind a device wait for a timeline
+    of ``other`` that nothing signals. ``other`` is closed (no discard: "higher" is
+    abandoned), then the gate raised. How the close and "higher" ended, ``shared``'s
+    value before the gate, how "lower" and host waits for 2 and 3 then ended (each
+    within REPORT_S)."""
+    seen: Seen = {}
+    shared, gate, never = dev.timeline(), dev.timeline(), other.timeline()
+    first, signaller = dev.new_queue(), other.new_queue()
+    first.wait(gate, 1)
+    lower = first.signal(shared, 2)
+    signaller.wait(never, 1)
+    higher = signaller.signal(shared, 3)
+    seen["close"] = "still closing"
+    with anyio.move_on_after(REPORT_S):
+        await other.close()
+        seen["close"] = "closed"
+    await _try(seen, "higher", higher)
+    seen["shared before gate"] = shared.value
+    gate.signal(1)
+    await _try(seen, "lower", lower)
+    await _try(seen, "shared 2", shared.wait(2))
+    await _try(seen, "shared 3", shared.wait(3))
+    return seen
+
+
+async def _abandoned_across(sim: _Simulated, held: bool | None = False) -> Seen:
+    """``abandoned_across`` on the simulated ``cuda:0`` (``shared``'s) and ``cuda:1``
+    (``held`` None: ``abandoned_after_lower``)."""
     import asyncmetal as am
 
     dev = await am.open_device("cuda:0")
     try:
         other = await am.open_device("cuda:1")
         try:
+            if held is None:
+                return await abandoned_after_lower(am, dev, other)
             return await abandoned_across(am, dev, other, held)
         finally:
             with anyio.fail_after(20):
@@ -635,6 +669,10 @@ async def _abandoned_across(sim: _Simulated, held: bool = False) -> Seen:
 
 async def _abandoned_across_held(sim: _Simulated) -> Seen:
     return await _abandoned_across(sim, held=True)
+
+
+async def _abandoned_across_after_lower(sim: _Simulated) -> Seen:
+    return await _abandoned_across(sim, held=None)
 
 
 SCENARIOS = {
@@ -655,6 +693,7 @@ SCENARIOS = {
 TWO_GPUS = {
     "abandoned_across": _abandoned_across,
     "abandoned_across_held": _abandoned_across_held,
+    "abandoned_across_after_lower": _abandoned_across_after_lower,
 }
 
 
