@@ -36,6 +36,7 @@ from ._timeline import (
     QUEUE_CLOSED,
     QUEUE_DISCARDED,
     Timeline,
+    abandon_signals,
     check_timeline,
     discarded_error,
     order_queue_signal,
@@ -1580,6 +1581,9 @@ def settled(queue: Queue) -> bool:
 def abandon(queue: Queue, first: int) -> None:
     """``queue``'s commands from ``first`` on will never run: the device closed while
     they waited, and its queue threads were stopped. Settle them, so that their waiters
-    wake and raise instead of waiting forever."""
+    wake and raise instead of waiting forever -- and so do the waits for what their
+    signals of other timelines were to produce (``abandon_signals``)."""
+    signals = [(timeline, at, target) for at, wait, timeline, target in queue._sync_ops if not wait]
     queue._abandoned_from = first
     queue._timeline.native.abandon(queue._submitted, first)
+    abandon_signals(queue._timeline, first, signals)

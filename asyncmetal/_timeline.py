@@ -14,7 +14,7 @@ import time
 import types
 import weakref
 from asyncio import _get_running_loop
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterable
 from typing import Any, Protocol, TypeVar
 
 from . import _bridge, _native
@@ -232,6 +232,39 @@ def close_timeline(timeline: Timeline) -> None:
     timeline._pending_at_close = pending
     timeline.native.close_waits(pending[-1][2] if pending else 0)
     end_waits(timeline)
+
+
+def abandon_signals(
+    signaller: Timeline, first: int, signals: Iterable[tuple[Timeline, int, int]]
+) -> None:
+    """The queue whose own timeline is ``signaller`` will never run its commands from
+    ``first`` on (its device closed while they waited): of ``signals``, (timeline, the
+    command's value, target), those from ``first`` on never raise their timeline, of
+    any device -- whose own close ends nothing here while that device stays open: a
+    wait for that value, and every later signal of the timeline (each ordered after the
+    one before), ends only through this. Each fails from the value after the last it
+    reached (ABANDONED, the command as cause), once it got the target of the highest
+    lower signal another queue submitted and has not run (that one still comes first,
+    as signals take effect in the order submitted), else at once. The close path only:
+    a healthy queue's signals record nothing more."""
+    cause = signaller.native.c_timeline
+    for timeline, at, target in signals:
+        c_timeline = timeline.native.c_timeline
+        if at < first or c_timeline is None or cause is None:
+            continue  # (ran; or a timeline outside the native runtime, left as it was)
+        with _signals_lock:
+            earlier = timeline._signals[: bisect.bisect_left(timeline._signals, (target,))]
+        after = next(
+            (
+                low
+                for low, low_at, other in reversed(earlier)
+                if other is not signaller and other.native.value < low_at
+            ),
+            0,
+        )
+        _native.runtime().am_timeline_fail_after(
+            c_timeline, after, target, _native.ABANDONED, at, cause
+        )
 
 
 # How a queue's own timeline came to its end, as its errors say it (``queue_closed``):

@@ -123,3 +123,82 @@ async def test_a_device_closes_past_a_failed_signal_held_behind_one_that_never_r
         for wait in (lower_wait, higher_wait):
             with pytest.raises(am.ClosedResourceError):
                 await wait
+
+
+def _check_abandoned(seen: dict[str, object], closed: str, held: bool) -> None:
+    """``simulated_failed_report.abandoned_across``'s: the close of the lower signal's
+    device ends, and the waits for 3 and 5 of ``shared`` raise, naming the abandoned
+    command's device and its close (not still waiting for the device of ``shared``)."""
+    assert seen["shared before close"] == 0, seen
+    assert seen["close"] == "closed", seen
+    assert "was closed while" in str(seen["lower"]), seen
+    if held:
+        for name in ("doomed", "behind"):
+            assert "discard=True" in str(seen[name]), (name, seen)
+    for target in (3, 5):
+        error = str(seen[f"shared {target}"])
+        assert error.startswith("ClosedResourceError"), seen
+        assert f"will not reach {target}" in error, seen
+        assert f"{closed} was closed while that command waited" in error, seen
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["alone", "held"])
+async def test_a_close_that_abandons_a_signal_of_another_devices_timeline_fails_its_waits(
+    anyio_backend: object, held: bool
+) -> None:
+    """A queue of cpu device ``other`` signals ``shared``, a timeline of cpu device
+    ``dev``, to 3 behind a device wait nothing signals; ``held``: a failed queue of
+    ``dev`` holds its signal of ``shared`` to 5 behind that one. ``other``'s close
+    abandons the lower signal: host waits for 3 and 5 of ``shared`` raise at once,
+    naming that close, while ``dev`` stays open. Checked: without the fix (the close
+    failed only its queues' own timelines) both waits were still waiting after
+    REPORT_S, until ``dev`` closed."""
+    dev = await am.open_device("cpu")
+    try:
+        other = await am.open_device("cpu")
+        try:
+            with anyio.fail_after(LIMIT):
+                seen = await simulated_failed_report.abandoned_across(am, dev, other, held)
+        finally:
+            with anyio.fail_after(LIMIT):
+                await other.close()
+    finally:
+        with anyio.fail_after(LIMIT):
+            await dev.close()
+    _check_abandoned(seen, "cpu", held)
+
+
+def _check_after_lower(seen: dict[str, object], closed: str) -> None:
+    """``simulated_failed_report.abandoned_after_lower``'s: the abandoned higher signal
+    fails ``shared`` only past the lower one, which still runs."""
+    assert seen["close"] == "closed", seen
+    assert "was closed while" in str(seen["higher"]), seen
+    assert seen["shared before gate"] == 0, seen
+    assert seen["lower"] == "done", seen
+    assert seen["shared 2"] == "done", seen
+    error = str(seen["shared 3"])
+    assert error.startswith("ClosedResourceError"), seen
+    assert f"{closed} was closed while that command waited" in error, seen
+
+
+async def test_a_close_that_abandons_a_signal_of_another_devices_timeline_keeps_its_order(
+    anyio_backend: object,
+) -> None:
+    """The abandoned signal of ``shared`` (to 3) is ordered after a lower one (to 2) by a
+    queue of ``shared``'s device, held behind a gate raised only after the close:
+    ``shared`` stays at 0 through the close, gets 2 once the gate is raised, and only
+    then fails from 3, naming the close. Checked: without the fix the wait for 3 was
+    still waiting after REPORT_S; failed at once instead, ``shared`` would not get 2."""
+    dev = await am.open_device("cpu")
+    try:
+        other = await am.open_device("cpu")
+        try:
+            with anyio.fail_after(LIMIT):
+                seen = await simulated_failed_report.abandoned_after_lower(am, dev, other)
+        finally:
+            with anyio.fail_after(LIMIT):
+                await other.close()
+    finally:
+        with anyio.fail_after(LIMIT):
+            await dev.close()
+    _check_after_lower(seen, "cpu")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 import asyncmetal as am
+from tests.reliability.test_failed_signal_order import _check_abandoned, _check_after_lower
 from tests.support.native import harness, simulated_failed_report
 
 LOOPS = ["asyncio", "trio"]
@@ -270,3 +271,30 @@ def test_a_failed_queue_closed_while_its_signal_waits_for_one_never_run_stays_ca
     _check_reported(seen)
     assert seen["queue close"] == "TimeoutError: still closing: cancelled", seen
     assert seen["close"] == "closed", seen
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("scenario", ["abandoned_across", "abandoned_across_held"])
+def test_a_cuda_close_that_abandons_a_signal_of_another_devices_timeline_fails_its_waits(
+    loop: str, scenario: str
+) -> None:
+    """Two simulated GPUs: a queue of cuda:1 signals a timeline of cuda:0 behind a wait
+    nothing signals (``_held``: a failed queue of cuda:0 holds a higher signal of it
+    behind that one), and cuda:1 closes, abandoning the signal: host waits for both
+    values raise at once, naming cuda:1's close. Checked: without the fix both waits
+    were still waiting after REPORT_S (until cuda:0 closed)."""
+    harness.skip_without_compiler()
+    seen = simulated_failed_report.run(scenario, loop)
+    _check_abandoned(seen, "cuda:1", scenario.endswith("_held"))
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_cuda_close_that_abandons_a_signal_of_another_devices_timeline_keeps_its_order(
+    loop: str,
+) -> None:
+    """The abandoned signal of a timeline of cuda:0 is ordered after a lower one by a
+    queue of cuda:0, held behind a gate raised after cuda:1's close: the timeline gets
+    the lower value, then fails from the higher, naming cuda:1's close. Checked: without
+    the fix the wait for the higher value was still waiting after REPORT_S."""
+    harness.skip_without_compiler()
+    _check_after_lower(simulated_failed_report.run("abandoned_across_after_lower", loop), "cuda:1")

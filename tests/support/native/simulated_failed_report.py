@@ -28,6 +28,13 @@ SCENARIO saw, as JSON, on its last line (``run`` runs it, and reads that).
   as the gate is raised, never runs; then the device closes.
 - ``queue_closed_while_held``: the failed queue, holding its signal behind a lower one
   that never runs, closed (no discard) with a deadline; then the device closes.
+- ``abandoned_across`` (two simulated GPUs): a queue of ``cuda:1`` signals a timeline
+  of ``cuda:0`` behind a wait nothing signals, and ``cuda:1`` closes (abandoning it);
+  ``abandoned_across_held``: the same, a failed queue of ``cuda:0`` holding its signal
+  of that timeline to a higher value behind the abandoned one.
+- ``abandoned_across_after_lower`` (two simulated GPUs): the abandoned signal ordered
+  after a lower signal of that timeline by a queue of ``cuda:0``, held behind a gate
+  raised only after the close.
 """
 
 from __future__ import annotations
@@ -579,6 +586,95 @@ async def _reached_interrupted(sim: _Simulated) -> Seen:
     return seen
 
 
+async def abandoned_across(am: Any, dev: Any, other: Any, held: bool) -> Seen:
+    """Queue ``signaller`` of device ``other`` signals ``shared``, a timeline of ``dev``,
+    to 3 ("lower") behind a device wait for a timeline of ``other`` that nothing
+    signals; with ``held``, a failed queue of ``dev`` (``_failing_behind``'s "waiting",
+    its wait discarded: "doomed") then signals ``shared`` to 5 ("behind"), held behind
+    the lower signal. ``other`` is closed (no discard: the lower signal is abandoned).
+    How that close, "lower", and host waits for 3 and for 5 of ``shared`` ended (each
+    within REPORT_S, else "still waiting"); ``shared``'s value before the close."""
+    seen: Seen = {}
+    shared, never = dev.timeline(), other.timeline()
+    signaller = other.new_queue()
+    signaller.wait(never, 1)
+    lower = signaller.signal(shared, 3)
+    if held:
+        waiting, discarded = dev.new_queue(), dev.new_queue()
+        gate = dev.timeline()
+        discarded.wait(gate, 1)
+        doomed = waiting.wait(discarded.timeline, 1)
+        behind = waiting.signal(shared, 5)
+        await discarded.close(discard=True)
+        await _try(seen, "doomed", doomed)
+        await _try(seen, "behind", behind)
+    seen["shared before close"] = shared.value
+    seen["close"] = "still closing"
+    with anyio.move_on_after(REPORT_S):
+        await other.close()
+        seen["close"] = "closed"
+    await _try(seen, "lower", lower)
+    for target in (3, 5):
+        await _try(seen, f"shared {target}", shared.wait(target))
+    return seen
+
+
+async def abandoned_after_lower(am: Any, dev: Any, other: Any) -> Seen:
+    """Queue ``first`` of ``dev`` signals ``shared``, a timeline of ``dev``, to 2
+    ("lower") behind a wait for ``gate``; queue ``signaller`` of device ``other`` signals
+    it to 3 ("higher": ordered after the lower one) behind a device wait for a timeline
+    of ``other`` that nothing signals. ``other`` is closed (no discard: "higher" is
+    abandoned), then the gate raised. How the close and "higher" ended, ``shared``'s
+    value before the gate, how "lower" and host waits for 2 and 3 then ended (each
+    within REPORT_S)."""
+    seen: Seen = {}
+    shared, gate, never = dev.timeline(), dev.timeline(), other.timeline()
+    first, signaller = dev.new_queue(), other.new_queue()
+    first.wait(gate, 1)
+    lower = first.signal(shared, 2)
+    signaller.wait(never, 1)
+    higher = signaller.signal(shared, 3)
+    seen["close"] = "still closing"
+    with anyio.move_on_after(REPORT_S):
+        await other.close()
+        seen["close"] = "closed"
+    await _try(seen, "higher", higher)
+    seen["shared before gate"] = shared.value
+    gate.signal(1)
+    await _try(seen, "lower", lower)
+    await _try(seen, "shared 2", shared.wait(2))
+    await _try(seen, "shared 3", shared.wait(3))
+    return seen
+
+
+async def _abandoned_across(sim: _Simulated, held: bool | None = False) -> Seen:
+    """``abandoned_across`` on the simulated ``cuda:0`` (``shared``'s) and ``cuda:1``
+    (``held`` None: ``abandoned_after_lower``)."""
+    import asyncmetal as am
+
+    dev = await am.open_device("cuda:0")
+    try:
+        other = await am.open_device("cuda:1")
+        try:
+            if held is None:
+                return await abandoned_after_lower(am, dev, other)
+            return await abandoned_across(am, dev, other, held)
+        finally:
+            with anyio.fail_after(20):
+                await other.close()  # (closed already: returns at once)
+    finally:
+        with anyio.fail_after(20):
+            await dev.close()
+
+
+async def _abandoned_across_held(sim: _Simulated) -> Seen:
+    return await _abandoned_across(sim, held=True)
+
+
+async def _abandoned_across_after_lower(sim: _Simulated) -> Seen:
+    return await _abandoned_across(sim, held=None)
+
+
 SCENARIOS = {
     "gated": _on_cuda(gated),
     "held_signal": _on_cuda(held_signal),
@@ -593,6 +689,12 @@ SCENARIOS = {
     "queue_closed_while_held": _queue_closed_while_held,
     "reached_interrupted": _reached_interrupted,
 }
+# Scenarios on two simulated GPUs.
+TWO_GPUS = {
+    "abandoned_across": _abandoned_across,
+    "abandoned_across_held": _abandoned_across_held,
+    "abandoned_across_after_lower": _abandoned_across_after_lower,
+}
 
 
 def run(scenario: str, loop: str, timeout: float = 60) -> Seen:
@@ -601,5 +703,26 @@ def run(scenario: str, loop: str, timeout: float = 60) -> Seen:
     return run_child(scenario, loop, timeout=timeout, module=__name__)
 
 
+def _two_gpus_main() -> None:
+    """``child_main`` for TWO_GPUS' scenarios: two simulated GPUs, cuda:0 and cuda:1."""
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from tests.support.native.simulated_cuda import _install
+
+    scenario, loop = sys.argv[1:3]
+    with tempfile.TemporaryDirectory(prefix="asyncmetal-simcuda-") as tmp:
+        sim = _Simulated(Path(tmp))
+        _install(sim, 2)
+        seen = anyio.run(TWO_GPUS[scenario], sim, backend=loop)
+    print(json.dumps(seen))
+
+
 if __name__ == "__main__":
-    child_main(SCENARIOS)
+    import sys
+
+    if sys.argv[1] in TWO_GPUS:
+        _two_gpus_main()
+    else:
+        child_main(SCENARIOS)
