@@ -1211,9 +1211,15 @@ class MetalQueue(NativeQueue):
             # Ctrl-C as the device's close runs at exit, which runs this again), leaves
             # nothing to run again; one before runs all of _close again (each release
             # in it takes what it releases first). (One whose release _close left to
-            # the worker is noted ran as _close returns.)
-            if not self._close_ran and self._release_dropped.alive:
-                self._close(abandon)
+            # the worker is noted ran as _close returns.) That release, on the worker,
+            # may end as this thread still drains: an interrupt there before the drain
+            # let go of its holds leaves them in _drained, let go of here then.
+            if not self._close_ran:
+                if self._release_dropped.alive:
+                    self._close(abandon)
+                elif (held := self._drained) is not None:
+                    msgsend, _, _, release_sel = _settle_call()
+                    self._backend.lib.am_metal_release_each(held, len(held), msgsend, release_sel)
             self._close_ran = True
 
     def _close(self, abandon: bool) -> None:
