@@ -483,9 +483,13 @@ int am_metal_submitting(am_timeline *t, uint64_t value, am_timeline *then,
 
 /* Command `value`, noted by am_metal_submitting, was refused before its commit (no
  * handler of it will run): returns whether its note was taken back -- to `to`, the
- * caller's highest value below it whose note stands (those refused before it, whose
- * notes a later one kept then, are skipped: this take-back is theirs too) -- or kept, a
- * later note made (the caller then skips `value` as that one is taken back). Either way
+ * caller's highest value below it that a handler passes (every value refused before it
+ * that none passes is skipped: one whose value was kept, `fail`, and one whose note a
+ * later one kept then) -- or kept, a later note made (the caller then skips `value` as
+ * that one is taken back). So t->submitted, until the queue settles, is always a value
+ * that a handler of it or of a later command passes (or 0), and `finished` reaches it
+ * once every command buffer committed completed: a failed queue settles then, whatever
+ * was refused (MetalQueue._unnote). Either way
  * under t->mu, as every note: one made meanwhile is never lowered. A failed queue whose
  * handlers ran through `to` settles now, as its last one would have. `fail`: the
  * command's value is still to be reached, so the queue fails from it on, as from a

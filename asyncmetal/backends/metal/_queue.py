@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import functools
+import heapq
 import queue
 import threading
 import weakref
@@ -306,10 +307,14 @@ class MetalQueue(NativeQueue):
         # holds it through its own commit, which routing keeps under MAX_IN_FLIGHT.
         self._commit_lock = threading.RLock()
         # The last command committed (under _commit_lock): one refused after its note
-        # was not (_unnote). And the commands refused whose notes a later note kept:
-        # skipped as that one is taken back (none above the last committed is needed).
+        # was not (_unnote). And the commands refused that no handler will ever pass --
+        # the value kept (a step refused on the worker: _step_failed), or the note kept
+        # by a later one -- each mapped to a value below it to look at next (the highest
+        # not among them once looked up: _unnote), and the same values in a heap, to let
+        # go of those at or below the last committed (a walk stops there) as it moves.
         self._committed = 0
-        self._refused: set[int] = set()
+        self._refused: dict[int, int] = {}
+        self._refused_heap: list[int] = []
 
     # -- submission -----------------------------------------------------------------------
 
@@ -357,29 +362,39 @@ class MetalQueue(NativeQueue):
         hand-over) -- a nil command buffer or encoder, an error encoding, a worker that
         did not start: unless it was committed, the note is taken back (its number goes
         back to the queue), and a failed queue whose handlers all ran settles now
-        (am_metal_unsubmitting) rather than wait for a handler of it. Taken back below
-        the commands refused before it whose notes a later one kept (this one, or one
-        still to commit: then this one is skipped so in turn), so any run of refusals
-        leaves the last command that stands noted. ``fail``: its value is never given
-        back (the command was handed over), so the queue fails from it on
-        (_step_failed). Called from each site's ``except BaseException`` (a plain try
-        costs nothing on the hot path; a context manager's generator about a
-        microsecond a command) -- but not on an interrupt: the queue hands ``value``
-        over again (Queue._interrupted), and a hand-over it cut may be held already."""
+        (am_metal_unsubmitting) rather than wait for a handler of it. Taken back to the
+        highest value below it that a handler passes, below every command refused
+        before it that none passes: those whose values were kept (``fail``), and those
+        whose notes a later one kept (this one, or one still to commit: then this one is
+        skipped so in turn) -- so the note stands, after any sequence of refusals, at a
+        value some handler passes. ``fail``: its value is never given back (the command
+        was handed over), so the queue fails from it on (_step_failed). Called from each
+        site's ``except BaseException`` (a plain try costs nothing on the hot path; a
+        context manager's generator about a microsecond a command) -- but not on an
+        interrupt: the queue hands ``value`` over again (Queue._interrupted), and a
+        hand-over it cut may be held already."""
         with self._commit_lock:
-            if self._committed == value:
+            committed = self._committed
+            if committed == value:
                 return
-            refused = self._refused
-            if refused:  # (a later note committed stands: the walk stops there)
-                refused.difference_update([r for r in refused if r <= self._committed])
-            to = value - 1
+            refused, heap = self._refused, self._refused_heap
+            while heap and heap[0] <= committed:  # (each let go of once: amortised O(log n))
+                del refused[heapq.heappop(heap)]
+            # The highest value below it that a handler passes: the timeline's note goes
+            # no lower than that, and never to a value none passes (the queue would wait
+            # for it for good). Each value looked past points at the one found (path
+            # compression): a run of refusals is walked once, not once a refusal.
+            to, past = value - 1, list[int]()
             while to in refused:
-                to -= 1
+                past.append(to)
+                to = refused[to]
+            for skipped in past:
+                refused[skipped] = to
             own = self._timeline.c_timeline
-            if self._backend.lib.am_metal_unsubmitting(own, value, to, fail):
-                refused.difference_update(range(to + 1, value))
-            else:
-                refused.add(value)
+            taken = self._backend.lib.am_metal_unsubmitting(own, value, to, fail)
+            if (fail or not taken) and value not in refused:
+                refused[value] = to
+                heapq.heappush(heap, value)
 
     def _routing(self, value: int) -> bool:
         """Whether command ``value`` is committed from the queue's own thread, in order:
@@ -1196,9 +1211,15 @@ class MetalQueue(NativeQueue):
             # Ctrl-C as the device's close runs at exit, which runs this again), leaves
             # nothing to run again; one before runs all of _close again (each release
             # in it takes what it releases first). (One whose release _close left to
-            # the worker is noted ran as _close returns.)
-            if not self._close_ran and self._release_dropped.alive:
-                self._close(abandon)
+            # the worker is noted ran as _close returns.) That release, on the worker,
+            # may end as this thread still drains: an interrupt there before the drain
+            # let go of its holds leaves them in _drained, let go of here then.
+            if not self._close_ran:
+                if self._release_dropped.alive:
+                    self._close(abandon)
+                elif (held := self._drained) is not None:
+                    msgsend, _, _, release_sel = _settle_call()
+                    self._backend.lib.am_metal_release_each(held, len(held), msgsend, release_sel)
             self._close_ran = True
 
     def _close(self, abandon: bool) -> None:

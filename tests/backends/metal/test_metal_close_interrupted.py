@@ -11,13 +11,15 @@ from types import FunctionType
 from typing import Any
 
 import anyio
+import numpy as np
 import pytest
 
 import asyncmetal as am
 from asyncmetal import _interrupts
 from asyncmetal._queue import native_queue
 from asyncmetal.backends.metal._queue import MetalQueue
-from tests.backends.metal.test_metal import sim_only
+from tests.backends.metal.test_metal import sim_only, unwrapped
+from tests.backends.metal.test_metal_races import _until
 from tests.support.fakes import metal_sim
 from tests.support.interrupts import interrupted
 
@@ -115,3 +117,56 @@ async def test_a_metal_queue_close_interrupted_anywhere_releases_its_command_buf
         at += 1
         assert at < 500
     assert at > 10, at
+
+
+async def test_a_close_interrupted_in_its_drain_after_the_worker_released_lets_go_of_it(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An abandoning close (at exit) whose worker is busy leaves the release to the
+    worker, which may run it (the queue's finalizer then dead) as this thread still
+    drains: an interrupt then, before the drain let go of the command buffers it holds,
+    and the close run again (by the device's) lets go of them all the same. The
+    worker's release is run here just before the drain lets go (where the interrupt
+    lands). Checked failing with the close run again doing nothing once the finalizer
+    is dead: the buffers drained and the queue left (assert {'MTLCommandBuffer': 3,
+    'MTLCommandQueue': 1} == {... 0, ... 0})."""
+    unwrapped(monkeypatch)  # (the copy below is staged on the queue's own thread)
+    gc.collect()
+    before = {name: metal_sim.live(name) for name in _RELEASED}
+    dev = await am.open_device("metal")
+    queue: Any = dev.new_queue()
+    own = native_queue(queue)
+    assert isinstance(own, MetalQueue)
+    buf = await dev.alloc(64)
+    queue.fill(buf, 0)
+    queue.copy(buf, np.ones(16, np.int32))  # (the worker started)
+    queue.fill(buf, 1)
+    # (the worker idle: joined by the close, which runs the release itself -- stood in
+    # for here by the worker's, as the drain ends)
+    await _until(lambda: not own._routed and not own._busy)
+    lib = own._backend.lib
+    release_each = lib.am_metal_release_each
+    cut: list[bool] = []
+
+    def releasing(held: Any, *args: Any) -> None:
+        if held is own._drained and not cut and any(held):
+            cut.append(True)
+            own._release()  # (the worker's, as the drain ends)
+            raise KeyboardInterrupt
+        release_each(held, *args)
+
+    monkeypatch.setattr(lib, "am_metal_release_each", releasing)
+    with contextlib.suppress(KeyboardInterrupt):
+        dev._close_native(abandon=True)
+    monkeypatch.undo()
+    assert cut and not own._release_dropped.alive
+    dev._close_native(abandon=True)  # (at exit: the device's close run again)
+    del queue, buf
+    deadline = time.monotonic() + 5
+    while True:
+        gc.collect()
+        left = {name: metal_sim.live(name) - before[name] for name in _RELEASED}
+        if not any(left.values()) or time.monotonic() > deadline:
+            break
+        await anyio.sleep(0.001)
+    assert left == dict.fromkeys(_RELEASED, 0)

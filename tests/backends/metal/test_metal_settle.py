@@ -482,6 +482,155 @@ async def test_a_step_refused_twice_on_a_healthy_queue_fails_the_queue_from_it(
                 own._timeline.signal(MAX_VALUE)
 
 
+@pytest.mark.parametrize("later_on", ["loop", "worker"])
+async def test_a_refusal_after_a_step_refused_twice_does_not_keep_a_failed_queue_unsettled(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch, later_on: str
+) -> None:
+    """A failed queue's command whose step on the queue's own thread raises and whose
+    empty command buffer is refused too (3, its note taken back at once: nothing was
+    noted after it), then a later command refused (4: a direct blit on the loop's thread,
+    its number given back, or another such step): no handler passes 3, so 4's note goes
+    back below it too, and the queue settles once 2 completed -- its awaits, a wait for
+    its timeline and its close end. Checked failing with 3 not kept among the values no
+    handler passes: the host wait for q.submitted + 1 ran past its fail_after
+    (TimeoutError), q's note left at 3 with only 2 finished."""
+    unwrapped(monkeypatch)  # (the copies below are staged on the queue's own thread)
+    reported: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: reported.append(args.exc_value))
+    async with am.open_device("metal") as dev:
+        q, own, view, faulted, _, buf = await _failing_behind_a_spin(dev)
+        other = await dev.alloc(64)
+
+        def refuse(*args: object, **kw: object) -> None:
+            raise am.AsyncMetalError("commandBuffer returned nil (simulated)")
+
+        own._encode_and_commit = refuse  # type: ignore[method-assign]
+        copies = []
+        try:
+            copies.append(q.copy(np.zeros(16, np.int32), buf))  # 3: staged, refused twice
+            await _until(lambda: len(reported) == 1 and not own._routed)
+            if later_on == "loop":
+                with pytest.raises(am.AsyncMetalError, match="simulated"):
+                    q.copy(other, buf)  # 4: refused as it is submitted
+            else:
+                copies.append(q.copy(np.zeros(16, np.int32), buf))  # 4: as 3
+                await _until(lambda: len(reported) == 2 and not own._routed)
+        finally:
+            del own._encode_and_commit
+            view[0] = 1
+        try:
+            with anyio.fail_after(5), pytest.raises(am.DeviceLostError, match="crash faulted"):
+                await faulted
+            with (
+                anyio.fail_after(5),
+                pytest.raises(am.ClosedResourceError, match="settled without"),
+            ):
+                await q.timeline.wait(q.submitted + 1)
+            assert q.timeline.value == MAX_VALUE
+            for copied in copies:
+                with anyio.fail_after(5), pytest.raises(am.AsyncMetalError, match="simulated"):
+                    await copied
+            with anyio.fail_after(5):
+                await q.close()
+        finally:  # (unsettled, 3 would never be done: the device's close would wait)
+            if q.timeline.value < MAX_VALUE:
+                own._timeline.signal(MAX_VALUE)
+
+
+@pytest.mark.parametrize("later_on", ["loop", "worker"])
+async def test_a_refusal_after_a_step_refused_twice_on_a_healthy_queue_lets_it_settle(
+    anyio_backend: object, monkeypatch: pytest.MonkeyPatch, later_on: str
+) -> None:
+    """On a queue nothing failed, a command whose step on the queue's own thread raises
+    and whose empty command buffer is refused too (2: the queue fails from it), then a
+    later command refused (3, on the loop's thread or as 2 was): 3's note goes back below
+    2, which no handler passes, so the queue settles once 1 completed and the awaits of
+    both raise their refusal. Checked failing with 2 not kept among the values no handler
+    passes: the await of 2 ran past its fail_after (TimeoutError)."""
+    unwrapped(monkeypatch)  # (the copies below are staged on the queue's own thread)
+    reported: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: reported.append(args.exc_value))
+    async with am.open_device("metal") as dev:
+        spin = await dev.compile(SPIN_UNTIL, "spin_until")
+        flag, buf, other = await dev.alloc(4), await dev.alloc(64), await dev.alloc(64)
+        await flag.write(np.zeros(1, np.int32))
+        view = np.frombuffer(dev._backend.host_view(flag._allocation.handle, 0, 4), np.int32)
+        q = dev.new_queue()
+        own = native_queue(q)
+        assert isinstance(own, MetalQueue)
+        spun = q.launch(spin, flag)  # 1: holds the GPU until the flag is set
+
+        def refuse(*args: object, **kw: object) -> None:
+            raise am.AsyncMetalError("commandBuffer returned nil (simulated)")
+
+        own._encode_and_commit = refuse  # type: ignore[method-assign]
+        copies = []
+        try:
+            copies.append(q.copy(np.zeros(16, np.int32), buf))  # 2: staged, refused twice
+            await _until(lambda: len(reported) == 1 and not own._routed)
+            if later_on == "loop":
+                with pytest.raises(am.AsyncMetalError, match="simulated"):
+                    q.copy(other, buf)  # 3: refused as it is submitted
+            else:
+                copies.append(q.copy(np.zeros(16, np.int32), buf))  # 3: as 2
+                await _until(lambda: len(reported) == 2 and not own._routed)
+        finally:
+            del own._encode_and_commit
+            view[0] = 1
+        try:
+            with anyio.fail_after(5):
+                await spun
+            for copied in copies:
+                with anyio.fail_after(5), pytest.raises(am.AsyncMetalError, match="simulated"):
+                    await copied
+            assert q.timeline.value == MAX_VALUE
+        finally:  # (unsettled, 2 would never be done: the device's close would wait)
+            if q.timeline.value < MAX_VALUE:
+                own._timeline.signal(MAX_VALUE)
+
+
+class _Looked(dict[int, int]):
+    """The values a queue's refusals skip, counting each entry looked at."""
+
+    looks = 0
+
+    def __iter__(self) -> Any:
+        for key in super().__iter__():
+            self.looks += 1
+            yield key
+
+    def __getitem__(self, key: int) -> int:
+        self.looks += 1
+        return super().__getitem__(key)
+
+
+async def test_a_run_of_refusals_looks_at_each_value_it_skips_a_bounded_number_of_times(
+    anyio_backend: object,
+) -> None:
+    """Refusals whose take-backs later notes keep (the queue's own thread refusing the
+    commands a loop handed it, one after the other), then the last taken back below them
+    all: the values kept are looked at a bounded number of times each, not once a
+    refusal each (2000 of them: 2 million looks). Checked failing with those at or below
+    the last committed let go of by looking through all of them each refusal, as
+    before: about 2 million looks."""
+    n = 2000
+    async with am.open_device("metal") as dev:
+        q = dev.new_queue()
+        own = native_queue(q)
+        assert isinstance(own, MetalQueue)
+        looked = own._refused = _Looked()
+        try:
+            for value in range(10, 11 + n):  # (noted as a loop hands them over)
+                assert own._submitting(value)
+            for value in range(10, 10 + n):
+                own._unnote(value, fail=True)  # kept by the later notes
+            assert len(looked) == n
+            own._unnote(10 + n, fail=True)  # below them all: to 9
+            assert looked.looks <= 4 * n
+        finally:
+            own._timeline.signal(MAX_VALUE)
+
+
 async def test_a_fault_found_after_a_later_refused_step_fails_the_queue_from_it(
     anyio_backend: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
