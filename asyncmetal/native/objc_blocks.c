@@ -82,12 +82,13 @@ static int settle_marked(am_timeline *t, uint64_t value) {
     return settle;
 }
 
-/* Settle t, marked by settle_marked: its timeline and its event (retained by t, see
- * am_metal_own). */
+/* Settle t, marked by settle_marked: its event (retained by t, see am_metal_own), then
+ * its timeline -- whoever sees the timeline settled (a task its raise wakes) sees the
+ * event settled too, and the GPU's waits on it ended or ending. */
 static void settle_event(am_timeline *t) {
-    am_timeline_signal(t, UINT64_MAX);
     ((void (*)(void *, void *, uint64_t))t->event_send)(t->event, t->event_selector,
                                                         UINT64_MAX);
+    am_timeline_signal(t, UINT64_MAX);
 }
 
 /* A Metal queue that failed (a command buffer of it, or a device wait for a value never
