@@ -36,6 +36,14 @@ def _check_held(seen: dict[str, object]) -> None:
     _check_in_order(seen)
 
 
+def _check_discarded_behind_lower(seen: dict[str, object]) -> None:
+    """``simulated_failed_report.discarded_behind_lower``'s: the close ends, the dropped
+    higher signal raises, and ``shared`` keeps its values in order."""
+    assert seen["close"] == "closed", seen
+    assert "discard=True" in str(seen["higher"]), seen
+    _check_in_order(seen)
+
+
 async def _lower_discarded(device: am.Device) -> tuple[am.Queue, am.Timeline]:
     """``simulated_failed_report._failing_behind(device, 3, 5)``, its queue ``discarded``
     closed with ``discard=True`` before the gate is raised: the failed queue's wait
@@ -92,9 +100,7 @@ async def test_a_discarded_signal_waiting_for_a_lower_one_fails_the_timeline_onl
     thread passes the signal behind the discarded wait as a failed queue's)."""
     with anyio.fail_after(LIMIT):
         seen = await simulated_failed_report.discarded_behind_lower(am, device)
-    assert seen["close"] == "closed", seen
-    assert "discard=True" in str(seen["higher"]), seen
-    _check_in_order(seen)
+    _check_discarded_behind_lower(seen)
 
 
 async def test_a_failed_signal_held_behind_a_dropped_lower_one_fails_the_timeline_at_once(
