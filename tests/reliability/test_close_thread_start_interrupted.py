@@ -71,6 +71,20 @@ def _join_close_threads(before: list[threading.Thread], made: bool) -> None:
             _join(thread)
 
 
+async def _close_interrupted_at(dev: am.Device, places: list[str], at: int) -> list[str]:
+    """A close of ``dev`` interrupted at the ``at``-th of Thread.start's ``places``,
+    then another close, within 20 seconds; the close threads made since are joined.
+    Returns the places the interrupt was raised at (that one alone)."""
+    before = threading.enumerate()
+    with anyio.fail_after(20):
+        with contextlib.suppress(KeyboardInterrupt), interrupted({START}, at) as raised:
+            await dev.close()
+        assert raised == places[at : at + 1]
+        await dev.close()
+        _join_close_threads(before, _made(places[: at + 1]))
+    return raised
+
+
 async def _cut_device(device_name: str) -> tuple[am.Device, list[int], threading.Event]:
     """A device whose teardown's native close was cut as it was entered; each native
     close run after that (counted) waits for the event before it runs."""
@@ -120,13 +134,7 @@ async def test_an_interrupt_in_thread_start_finishing_a_cut_close_runs_its_nativ
             return cut
 
         dev._native_cut = look  # type: ignore[method-assign]
-        before = threading.enumerate()
-        with anyio.fail_after(20):
-            with contextlib.suppress(KeyboardInterrupt), interrupted({START}, at) as raised:
-                await dev.close()
-            assert raised == places[at : at + 1]
-            await dev.close()
-            _join_close_threads(before, _made(places[: at + 1]))
+        raised = await _close_interrupted_at(dev, places, at)
         assert runs[1:] == [1], raised
         assert not any(d is dev for d in _device._devices()), raised
         assert dev._backend.live_allocations == 0, raised
@@ -217,13 +225,7 @@ async def test_interrupts_as_a_close_starts_its_teardown_give_its_count_back_onc
     for at in range(len(places)):
         dev = await am.open_device(device_name)
         await dev.queue.marker()
-        before = threading.enumerate()
-        with anyio.fail_after(20):
-            with contextlib.suppress(KeyboardInterrupt), interrupted({START}, at) as raised:
-                await dev.close()
-            assert raised == places[at : at + 1]
-            await dev.close()
-            _join_close_threads(before, _made(places[: at + 1]))
+        raised = await _close_interrupted_at(dev, places, at)
         assert dev._starting == 0, raised
         assert not any(d is dev for d in _device._devices()), raised
     second = 0

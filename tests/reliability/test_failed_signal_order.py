@@ -21,13 +21,43 @@ pytestmark = pytest.mark.anyio
 LIMIT = 30  # seconds: each program's awaits are bounded well within this
 
 
-def _check_held(seen: dict[str, object]) -> None:
-    for name in ("doomed", "behind", "after", "later"):
-        assert "discard=True" in str(seen[name]), (name, seen)
+def _check_in_order(seen: dict[str, object]) -> None:
+    """``shared`` stays at 0 until the gate, gets 3 once the lower signal ran, and fails
+    only from 5."""
     assert seen["shared before gate"] == 0, seen
     assert seen["lower"] == "done", seen
     assert seen["shared 3"] == "done", seen
     assert "will not reach 5" in str(seen["shared 5"]), seen
+
+
+def _check_held(seen: dict[str, object]) -> None:
+    for name in ("doomed", "behind", "after", "later"):
+        assert "discard=True" in str(seen[name]), (name, seen)
+    _check_in_order(seen)
+
+
+def _check_discarded_behind_lower(seen: dict[str, object]) -> None:
+    """``simulated_failed_report.discarded_behind_lower``'s: the close ends, the dropped
+    higher signal raises, and ``shared`` keeps its values in order."""
+    assert seen["close"] == "closed", seen
+    assert "discard=True" in str(seen["higher"]), seen
+    _check_in_order(seen)
+
+
+async def _lower_discarded(device: am.Device) -> tuple[am.Queue, am.Timeline]:
+    """``simulated_failed_report._failing_behind(device, 3, 5)``, its queue ``discarded``
+    closed with ``discard=True`` before the gate is raised: the failed queue's wait
+    (``doomed``) and its signal of ``shared`` to 5 (``behind``, held behind ``other``'s
+    signal of it to 3) raise, naming the discard. Returns ``other`` and ``shared``."""
+    _, discarded, other, _, shared, doomed, _, behind = simulated_failed_report._failing_behind(
+        device, 3, 5
+    )
+    await discarded.close(discard=True)
+    with anyio.fail_after(LIMIT):
+        for done in (doomed, behind):
+            with pytest.raises(am.ClosedResourceError, match="discard=True"):
+                await done
+    return other, shared
 
 
 async def test_a_failed_signal_held_behind_a_lower_one_fails_the_timeline_only_past_it(
@@ -70,12 +100,7 @@ async def test_a_discarded_signal_waiting_for_a_lower_one_fails_the_timeline_onl
     thread passes the signal behind the discarded wait as a failed queue's)."""
     with anyio.fail_after(LIMIT):
         seen = await simulated_failed_report.discarded_behind_lower(am, device)
-    assert seen["close"] == "closed", seen
-    assert "discard=True" in str(seen["higher"]), seen
-    assert seen["shared before gate"] == 0, seen
-    assert seen["lower"] == "done", seen
-    assert seen["shared 3"] == "done", seen
-    assert "will not reach 5" in str(seen["shared 5"]), seen
+    _check_discarded_behind_lower(seen)
 
 
 async def test_a_failed_signal_held_behind_a_dropped_lower_one_fails_the_timeline_at_once(
@@ -85,14 +110,8 @@ async def test_a_failed_signal_held_behind_a_dropped_lower_one_fails_the_timelin
     closed with ``discard=True`` before its gate is raised (the lower signal will never
     run): waits for 3 and for 5 of ``shared`` fail at once, neither left waiting for a
     value that can no longer come."""
-    _, discarded, other, _, shared, doomed, _, behind = simulated_failed_report._failing_behind(
-        device, 3, 5
-    )
-    await discarded.close(discard=True)
+    other, shared = await _lower_discarded(device)
     with anyio.fail_after(LIMIT):
-        for done in (doomed, behind):
-            with pytest.raises(am.ClosedResourceError, match="discard=True"):
-                await done
         await other.close(discard=True)
         for target in (3, 5):
             with pytest.raises(am.ClosedResourceError, match=f"will not reach {target}"):
@@ -107,14 +126,7 @@ async def test_a_device_closes_past_a_failed_signal_held_behind_one_that_never_r
     fail (ClosedResourceError), neither left waiting."""
     dev = await am.open_device(device_name)
     try:
-        _, discarded, _, _, shared, doomed, _, behind = simulated_failed_report._failing_behind(
-            dev, 3, 5
-        )
-        await discarded.close(discard=True)
-        with anyio.fail_after(LIMIT):
-            for done in (doomed, behind):
-                with pytest.raises(am.ClosedResourceError, match="discard=True"):
-                    await done
+        _, shared = await _lower_discarded(dev)
         lower_wait, higher_wait = shared.wait(3), shared.wait(5)
     finally:
         with anyio.fail_after(LIMIT):

@@ -9,7 +9,11 @@ from __future__ import annotations
 import pytest
 
 import asyncmetal as am
-from tests.reliability.test_failed_signal_order import _check_abandoned, _check_after_lower
+from tests.reliability.test_failed_signal_order import (
+    _check_abandoned,
+    _check_after_lower,
+    _check_discarded_behind_lower,
+)
 from tests.support.native import harness, simulated_failed_report
 
 LOOPS = ["asyncio", "trio"]
@@ -100,13 +104,7 @@ def test_a_discarded_cuda_signal_waiting_for_a_lower_one_keeps_the_timeline_in_o
     failing its timeline at once (cuq_drop_refused), "shared before gate" was 2**64 - 1
     and "shared 3" failed ("will not reach 3: ... discarded")."""
     harness.skip_without_compiler()
-    seen = simulated_failed_report.run("discarded_behind_lower", loop)
-    assert seen["close"] == "closed", seen
-    assert "discard=True" in str(seen["higher"]), seen
-    assert seen["shared before gate"] == 0, seen
-    assert seen["lower"] == "done", seen
-    assert seen["shared 3"] == "done", seen
-    assert "will not reach 5" in str(seen["shared 5"]), seen
+    _check_discarded_behind_lower(simulated_failed_report.run("discarded_behind_lower", loop))
 
 
 @pytest.mark.parametrize("loop", LOOPS)

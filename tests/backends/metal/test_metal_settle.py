@@ -6,11 +6,13 @@ it, a signal submitted once it settled, and a wait submitted behind the failure.
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from ctypes import c_uint64
 from typing import Any
 
@@ -241,20 +243,13 @@ async def test_a_command_refused_after_its_note_does_not_keep_a_failed_queue_uns
     async with am.open_device("metal") as dev:
         q, own, view, faulted, fill, buf = await _failing_behind_a_spin(dev)
 
-        def refuse(*args: object, **kw: object) -> None:
-            raise am.AsyncMetalError("commandBuffer returned nil (simulated)")
-
-        own._encode_and_commit = refuse  # type: ignore[method-assign]
+        own._encode_and_commit = _refuse  # type: ignore[method-assign]
         with pytest.raises(am.AsyncMetalError, match="simulated"):
             q.launch(fill, buf, vals=(1, 16))  # 3: noted, then refused
         del own._encode_and_commit
         assert q.submitted == 2
         view[0] = 1
-        with anyio.fail_after(5), pytest.raises(am.DeviceLostError, match="crash faulted"):
-            await faulted
-        with anyio.fail_after(5), pytest.raises(am.ClosedResourceError, match="settled without"):
-            await q.timeline.wait(q.submitted + 1)
-        assert q.timeline.value == MAX_VALUE
+        await _settled_failed(q, faulted)
 
 
 async def test_a_refused_command_settles_a_failed_queue_whose_handlers_all_ran(
@@ -289,11 +284,7 @@ async def test_a_refused_command_settles_a_failed_queue_whose_handlers_all_ran(
             q.launch(fill, buf, vals=(1, 16))  # 3: noted, then refused
         del own._encode_and_commit
         assert q.submitted == 2
-        with anyio.fail_after(5), pytest.raises(am.DeviceLostError, match="crash faulted"):
-            await faulted
-        with anyio.fail_after(5), pytest.raises(am.ClosedResourceError, match="settled without"):
-            await q.timeline.wait(q.submitted + 1)
-        assert q.timeline.value == MAX_VALUE
+        await _settled_failed(q, faulted)
 
 
 async def test_a_step_refused_twice_on_the_queues_thread_does_not_keep_a_failed_queue_unsettled(
@@ -312,27 +303,13 @@ async def test_a_step_refused_twice_on_the_queues_thread_does_not_keep_a_failed_
     async with am.open_device("metal") as dev:
         q, own, view, faulted, _, buf = await _failing_behind_a_spin(dev)
 
-        def refuse(*args: object, **kw: object) -> None:
-            raise am.AsyncMetalError("commandBuffer returned nil (simulated)")
-
-        own._encode_and_commit = refuse  # type: ignore[method-assign]
-        try:
+        with _commits_refused(own, view):
             copied = q.copy(buf, np.zeros(16, np.int32))  # 3: its step waits for 2 to run
             view[0] = 1
             await _until(lambda: reported)  # (the empty commit's refusal, reported)
-        finally:
-            del own._encode_and_commit
-            view[0] = 1
         try:
             assert isinstance(reported[0], am.AsyncMetalError)
-            with anyio.fail_after(5), pytest.raises(am.DeviceLostError, match="crash faulted"):
-                await faulted
-            with (
-                anyio.fail_after(5),
-                pytest.raises(am.ClosedResourceError, match="settled without"),
-            ):
-                await q.timeline.wait(q.submitted + 1)
-            assert q.timeline.value == MAX_VALUE
+            await _settled_failed(q, faulted)
             with anyio.fail_after(5), pytest.raises(am.AsyncMetalError, match="simulated"):
                 await copied
         finally:  # (unsettled, command 3 would never be done: the close would wait for it)
@@ -403,30 +380,14 @@ async def test_two_steps_refused_in_a_row_do_not_keep_a_failed_queue_unsettled(
     async with am.open_device("metal") as dev:
         q, own, view, faulted, _, buf = await _failing_behind_a_spin(dev)
 
-        def refuse(*args: object, **kw: object) -> None:
-            raise am.AsyncMetalError("commandBuffer returned nil (simulated)")
-
-        own._encode_and_commit = refuse  # type: ignore[method-assign]
-        try:
+        with _commits_refused(own, view):
             first = q.copy(buf, np.zeros(16, np.int32))  # 3: its step waits for 2 to run
             second = q.copy(buf, np.ones(16, np.int32))  # 4: behind it
             view[0] = 1
             await _until(lambda: len(reported) == 2)  # (both empty commits' refusals)
-        finally:
-            del own._encode_and_commit
-            view[0] = 1
         try:
-            with anyio.fail_after(5), pytest.raises(am.DeviceLostError, match="crash faulted"):
-                await faulted
-            with (
-                anyio.fail_after(5),
-                pytest.raises(am.ClosedResourceError, match="settled without"),
-            ):
-                await q.timeline.wait(q.submitted + 1)
-            assert q.timeline.value == MAX_VALUE
-            for copied in (first, second):
-                with anyio.fail_after(5), pytest.raises(am.AsyncMetalError, match="simulated"):
-                    await copied
+            await _settled_failed(q, faulted)
+            await _all_refused((first, second))
         finally:  # (unsettled, commands 3 and 4 would never be done: the close would wait)
             own._timeline.signal(MAX_VALUE)
 
@@ -445,27 +406,14 @@ async def test_a_step_refused_twice_on_a_healthy_queue_fails_the_queue_from_it(
     reported: list[BaseException | None] = []
     monkeypatch.setattr(threading, "excepthook", lambda args: reported.append(args.exc_value))
     async with am.open_device("metal") as dev:
-        spin = await dev.compile(SPIN_UNTIL, "spin_until")
+        q, own, view, spun = await _behind_a_spin(dev)  # 1: holds the GPU until view[0] = 1
         fill = await dev.compile(MSL_KERNELS, "fill")
-        flag, buf = await dev.alloc(4), await dev.alloc(64)
-        await flag.write(np.zeros(1, np.int32))
-        view = np.frombuffer(dev._backend.host_view(flag._allocation.handle, 0, 4), np.int32)
-        q = dev.new_queue()
-        own = native_queue(q)
-        assert isinstance(own, MetalQueue)
-        spun = q.launch(spin, flag)  # 1: holds the GPU until the flag is set
+        buf = await dev.alloc(64)
 
-        def refuse(*args: object, **kw: object) -> None:
-            raise am.AsyncMetalError("commandBuffer returned nil (simulated)")
-
-        own._encode_and_commit = refuse  # type: ignore[method-assign]
-        try:
+        with _commits_refused(own, view):
             copied = q.copy(buf, np.zeros(16, np.int32))  # 2: its step waits for 1 to run
             view[0] = 1
             await _until(lambda: reported)  # (the empty commit's refusal, reported)
-        finally:
-            del own._encode_and_commit
-            view[0] = 1
         try:
             assert isinstance(reported[0], am.AsyncMetalError)
             with anyio.fail_after(5):
@@ -501,35 +449,11 @@ async def test_a_refusal_after_a_step_refused_twice_does_not_keep_a_failed_queue
         q, own, view, faulted, _, buf = await _failing_behind_a_spin(dev)
         other = await dev.alloc(64)
 
-        def refuse(*args: object, **kw: object) -> None:
-            raise am.AsyncMetalError("commandBuffer returned nil (simulated)")
-
-        own._encode_and_commit = refuse  # type: ignore[method-assign]
-        copies = []
+        # 3: staged, refused twice; 4: refused after it
+        copies = await _refused_twice_then_later(q, own, view, buf, other, reported, later_on)
         try:
-            copies.append(q.copy(np.zeros(16, np.int32), buf))  # 3: staged, refused twice
-            await _until(lambda: len(reported) == 1 and not own._routed)
-            if later_on == "loop":
-                with pytest.raises(am.AsyncMetalError, match="simulated"):
-                    q.copy(other, buf)  # 4: refused as it is submitted
-            else:
-                copies.append(q.copy(np.zeros(16, np.int32), buf))  # 4: as 3
-                await _until(lambda: len(reported) == 2 and not own._routed)
-        finally:
-            del own._encode_and_commit
-            view[0] = 1
-        try:
-            with anyio.fail_after(5), pytest.raises(am.DeviceLostError, match="crash faulted"):
-                await faulted
-            with (
-                anyio.fail_after(5),
-                pytest.raises(am.ClosedResourceError, match="settled without"),
-            ):
-                await q.timeline.wait(q.submitted + 1)
-            assert q.timeline.value == MAX_VALUE
-            for copied in copies:
-                with anyio.fail_after(5), pytest.raises(am.AsyncMetalError, match="simulated"):
-                    await copied
+            await _settled_failed(q, faulted)
+            await _all_refused(copies)
             with anyio.fail_after(5):
                 await q.close()
         finally:  # (unsettled, 3 would never be done: the device's close would wait)
@@ -551,38 +475,15 @@ async def test_a_refusal_after_a_step_refused_twice_on_a_healthy_queue_lets_it_s
     reported: list[BaseException | None] = []
     monkeypatch.setattr(threading, "excepthook", lambda args: reported.append(args.exc_value))
     async with am.open_device("metal") as dev:
-        spin = await dev.compile(SPIN_UNTIL, "spin_until")
-        flag, buf, other = await dev.alloc(4), await dev.alloc(64), await dev.alloc(64)
-        await flag.write(np.zeros(1, np.int32))
-        view = np.frombuffer(dev._backend.host_view(flag._allocation.handle, 0, 4), np.int32)
-        q = dev.new_queue()
-        own = native_queue(q)
-        assert isinstance(own, MetalQueue)
-        spun = q.launch(spin, flag)  # 1: holds the GPU until the flag is set
+        q, own, view, spun = await _behind_a_spin(dev)  # 1: holds the GPU until view[0] = 1
+        buf, other = await dev.alloc(64), await dev.alloc(64)
 
-        def refuse(*args: object, **kw: object) -> None:
-            raise am.AsyncMetalError("commandBuffer returned nil (simulated)")
-
-        own._encode_and_commit = refuse  # type: ignore[method-assign]
-        copies = []
-        try:
-            copies.append(q.copy(np.zeros(16, np.int32), buf))  # 2: staged, refused twice
-            await _until(lambda: len(reported) == 1 and not own._routed)
-            if later_on == "loop":
-                with pytest.raises(am.AsyncMetalError, match="simulated"):
-                    q.copy(other, buf)  # 3: refused as it is submitted
-            else:
-                copies.append(q.copy(np.zeros(16, np.int32), buf))  # 3: as 2
-                await _until(lambda: len(reported) == 2 and not own._routed)
-        finally:
-            del own._encode_and_commit
-            view[0] = 1
+        # 2: staged, refused twice; 3: refused after it
+        copies = await _refused_twice_then_later(q, own, view, buf, other, reported, later_on)
         try:
             with anyio.fail_after(5):
                 await spun
-            for copied in copies:
-                with anyio.fail_after(5), pytest.raises(am.AsyncMetalError, match="simulated"):
-                    await copied
+            await _all_refused(copies)
             assert q.timeline.value == MAX_VALUE
         finally:  # (unsettled, 2 would never be done: the device's close would wait)
             if q.timeline.value < MAX_VALUE:
@@ -770,15 +671,85 @@ async def _failing_behind_a_spin(
     """A new queue of ``dev`` given a kernel that spins until the flag (``view[0] = 1``)
     is set (1), then one that faults (2: ``faulted``, which fails the queue); also its
     native queue, and ``fill`` with a buffer for a third launch."""
-    spin = await dev.compile(SPIN_UNTIL, "spin_until")
+    q, own, view, _ = await _behind_a_spin(dev)  # 1: holds the GPU until the flag is set
     crash = await dev.compile(FAULTY, "crash")
     fill = await dev.compile(MSL_KERNELS, "fill")
-    flag, buf = await dev.alloc(4), await dev.alloc(64)
+    buf = await dev.alloc(64)
+    faulted = q.launch(crash, buf)  # 2: fails the queue
+    return q, own, view, faulted, fill, buf
+
+
+async def _behind_a_spin(
+    dev: am.Device,
+) -> tuple[am.Queue, MetalQueue, np.ndarray[Any, Any], am.Completion]:
+    """A new queue of ``dev`` given a kernel that spins until the flag (``view[0] = 1``)
+    is set (1: ``spun``); also its native queue."""
+    spin = await dev.compile(SPIN_UNTIL, "spin_until")
+    flag = await dev.alloc(4)
     await flag.write(np.zeros(1, np.int32))
     view = np.frombuffer(dev._backend.host_view(flag._allocation.handle, 0, 4), np.int32)
     q = dev.new_queue()
     own = native_queue(q)
     assert isinstance(own, MetalQueue)
-    q.launch(spin, flag)  # 1: holds the GPU until the flag is set
-    faulted = q.launch(crash, buf)  # 2: fails the queue
-    return q, own, view, faulted, fill, buf
+    spun = q.launch(spin, flag)
+    return q, own, view, spun
+
+
+def _refuse(*args: object, **kw: object) -> None:
+    raise am.AsyncMetalError("commandBuffer returned nil (simulated)")
+
+
+@contextlib.contextmanager
+def _commits_refused(own: MetalQueue, view: np.ndarray[Any, Any]) -> Iterator[None]:
+    """Every commit of ``own`` raises, as a nil command buffer does, within the block;
+    at its end (raised or not) commits go through again and the spin's flag is set."""
+    own._encode_and_commit = _refuse  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del own._encode_and_commit
+        view[0] = 1
+
+
+async def _refused_twice_then_later(
+    q: am.Queue,
+    own: MetalQueue,
+    view: np.ndarray[Any, Any],
+    buf: am.Buffer,
+    other: am.Buffer,
+    reported: list[BaseException | None],
+    later_on: str,
+) -> list[am.Completion]:
+    """With ``own``'s commits refused: a copy staged on the queue's own thread, refused
+    twice (its step, then its empty command buffer), then a later command refused --
+    a direct blit on the loop's thread (``later_on == "loop"``: it raises as it is
+    submitted) or another such copy (``"worker"``). Returns the copies' completions;
+    the spin's flag is set at the end."""
+    copies: list[am.Completion] = []
+    with _commits_refused(own, view):
+        copies.append(q.copy(np.zeros(16, np.int32), buf))  # staged, refused twice
+        await _until(lambda: len(reported) == 1 and not own._routed)
+        if later_on == "loop":
+            with pytest.raises(am.AsyncMetalError, match="simulated"):
+                q.copy(other, buf)  # refused as it is submitted
+        else:
+            copies.append(q.copy(np.zeros(16, np.int32), buf))  # as the first
+            await _until(lambda: len(reported) == 2 and not own._routed)
+    return copies
+
+
+async def _all_refused(copies: Iterable[am.Completion]) -> None:
+    """Each of ``copies`` raises its refusal."""
+    for copied in copies:
+        with anyio.fail_after(5), pytest.raises(am.AsyncMetalError, match="simulated"):
+            await copied
+
+
+async def _settled_failed(q: am.Queue, faulted: am.Completion) -> None:
+    """``faulted`` raises its fault, and ``q``'s timeline settles failed: a wait past its
+    last submitted command raises, and its value is MAX_VALUE."""
+    with anyio.fail_after(5), pytest.raises(am.DeviceLostError, match="crash faulted"):
+        await faulted
+    with anyio.fail_after(5), pytest.raises(am.ClosedResourceError, match="settled without"):
+        await q.timeline.wait(q.submitted + 1)
+    assert q.timeline.value == MAX_VALUE
