@@ -10,6 +10,8 @@ simulated driver (tests/backends/cuda/test_simulated_failed_report.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 import anyio
 import pytest
 
@@ -154,6 +156,26 @@ def _check_abandoned(seen: dict[str, object], closed: str, held: bool) -> None:
         assert f"{closed} was closed while that command waited" in error, seen
 
 
+async def _on_two_devices(
+    program: Callable[..., Awaitable[dict[str, object]]], *args: object
+) -> dict[str, object]:
+    """``program(am, dev, other, *args)`` on two cpu devices, ``dev`` holding the shared
+    timeline and ``other`` the queues its close abandons; both closed after."""
+    dev = await am.open_device("cpu")
+    try:
+        other = await am.open_device("cpu")
+        try:
+            with anyio.fail_after(LIMIT):
+                seen = await program(am, dev, other, *args)
+        finally:
+            with anyio.fail_after(LIMIT):
+                await other.close()
+    finally:
+        with anyio.fail_after(LIMIT):
+            await dev.close()
+    return seen
+
+
 @pytest.mark.parametrize("held", [False, True], ids=["alone", "held"])
 async def test_a_close_that_abandons_a_signal_of_another_devices_timeline_fails_its_waits(
     anyio_backend: object, held: bool
@@ -165,18 +187,7 @@ async def test_a_close_that_abandons_a_signal_of_another_devices_timeline_fails_
     naming that close, while ``dev`` stays open. Checked: without the fix (the close
     failed only its queues' own timelines) both waits were still waiting after
     REPORT_S, until ``dev`` closed."""
-    dev = await am.open_device("cpu")
-    try:
-        other = await am.open_device("cpu")
-        try:
-            with anyio.fail_after(LIMIT):
-                seen = await simulated_failed_report.abandoned_across(am, dev, other, held)
-        finally:
-            with anyio.fail_after(LIMIT):
-                await other.close()
-    finally:
-        with anyio.fail_after(LIMIT):
-            await dev.close()
+    seen = await _on_two_devices(simulated_failed_report.abandoned_across, held)
     _check_abandoned(seen, "cpu", held)
 
 
@@ -201,16 +212,5 @@ async def test_a_close_that_abandons_a_signal_of_another_devices_timeline_keeps_
     ``shared`` stays at 0 through the close, gets 2 once the gate is raised, and only
     then fails from 3, naming the close. Checked: without the fix the wait for 3 was
     still waiting after REPORT_S; failed at once instead, ``shared`` would not get 2."""
-    dev = await am.open_device("cpu")
-    try:
-        other = await am.open_device("cpu")
-        try:
-            with anyio.fail_after(LIMIT):
-                seen = await simulated_failed_report.abandoned_after_lower(am, dev, other)
-        finally:
-            with anyio.fail_after(LIMIT):
-                await other.close()
-    finally:
-        with anyio.fail_after(LIMIT):
-            await dev.close()
+    seen = await _on_two_devices(simulated_failed_report.abandoned_after_lower)
     _check_after_lower(seen, "cpu")
